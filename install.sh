@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Sets up .venv with tppo-jax and everything it needs. Idempotent: a second run
+# with unchanged pyproject.toml/install.sh only checks the stamp and exits.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY="${PYTHON:-python3}"
+VENV="${TPPO_VENV:-.venv}"
+STAMP="$VENV/.tppo-install-stamp"
+want="$(cat pyproject.toml install.sh | sha256sum | cut -d' ' -f1)"
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
+  exit 0
+fi
+echo "[install] creating $VENV and installing tppo-jax (first run takes a minute or two)" >&2
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q -e ".[dev]"
+# google-jetstream 0.2.2 declares seqio (and through it TensorFlow, ~3 GB) but
+# needs none of it at run time; its real runtime deps are in pyproject.toml and
+# tppo_jax.compat.jetstream patches the rest. So: no deps.
+"$VENV/bin/python" -m pip install -q --no-deps "google-jetstream==0.2.2"
+"$VENV/bin/python" -c "import tppo_jax.compat.jetstream as j; j.check()"
+echo "$want" > "$STAMP"
+echo "[install] done: $VENV" >&2
