@@ -1,0 +1,29 @@
+"""Pure T-PPO / VAPO math: advantages, masks, losses (imports jax only)."""
+
+from tppo_jax.algo.advantages import (
+    discounted_backward,
+    effective_length,
+    egae,
+    gae,
+    length_adaptive_lambda,
+    mc_returns,
+)
+from tppo_jax.algo.losses import aggregate, nll_loss, policy_loss, value_loss
+from tppo_jax.algo.masks import (
+    masked_clip,
+    masked_mean,
+    masked_whiten,
+    policy_mask,
+    positive_example_mask,
+    response_mask,
+    span_mask,
+    value_mask,
+    window_mask,
+)
+
+__all__ = [
+    "aggregate", "discounted_backward", "effective_length", "egae", "gae",
+    "length_adaptive_lambda", "masked_clip", "masked_mean", "masked_whiten", "mc_returns",
+    "nll_loss", "policy_loss", "policy_mask", "positive_example_mask", "response_mask",
+    "span_mask", "value_loss", "value_mask", "window_mask",
+]

@@ -1,0 +1,126 @@
+"""PPO losses with VAPO/DAPO options (SPEC section 4), pure ``jax.numpy``.
+
+Every loss takes per-token ``[B, T]`` arrays and a ``[B, T]`` mask and returns a
+scalar plus a dict of scalar diagnostics.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax.numpy as jnp
+from jax import Array
+
+Aggregation = Literal["token", "sample"]
+
+
+def aggregate(per_token: Array, mask: Array, *, mode: Aggregation = "token") -> Array:
+    """Reduces a ``[B, T]`` loss over ``mask``.
+
+    ``token`` (VAPO/DAPO): sum over every masked token of the batch / number of
+    masked tokens, so long sequences weigh by their length. ``sample``: mean over
+    rows (with at least one masked token) of each row's token mean.
+    """
+    m = mask.astype(jnp.float32)
+    if mode == "token":
+        return (per_token * m).sum() / jnp.maximum(m.sum(), 1.0)
+    if mode == "sample":
+        n = m.sum(axis=1)
+        row = (per_token * m).sum(axis=1) / jnp.maximum(n, 1.0)
+        has = (n > 0).astype(jnp.float32)
+        return (row * has).sum() / jnp.maximum(has.sum(), 1.0)
+    raise ValueError(f"aggregation must be 'token' or 'sample', got {mode!r}")
+
+
+def policy_loss(
+    logp: Array,
+    logp_old: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip_c: float | None = 10.0,
+    aggregation: Aggregation = "token",
+) -> tuple[Array, dict[str, Array]]:
+    """Clipped surrogate with clip-higher and dual clip.
+
+    ``rho = exp(logp - logp_old)``;
+    ``l_t = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)``; for ``A < 0`` the
+    dual clip caps ``l_t`` at ``c |A|`` so a huge ratio on a bad token cannot
+    explode the update.
+
+    Args:
+      logp: ``[B, T]`` log-probs under the policy being trained.
+      logp_old: ``[B, T]`` log-probs recorded at sampling time.
+      advantages: ``[B, T]``.
+      mask: ``[B, T]`` policy mask.
+    Returns:
+      ``(loss, {"clip_frac", "dual_clip_frac", "approx_kl", "ratio_mean"})``.
+    """
+    m = mask.astype(jnp.float32)
+    log_ratio = (logp - logp_old) * m
+    ratio = jnp.exp(log_ratio)
+    surr1 = ratio * advantages
+    surr2 = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    loss = -jnp.minimum(surr1, surr2)
+    dual = jnp.zeros_like(loss, dtype=bool)
+    if dual_clip_c is not None:
+        cap = dual_clip_c * jnp.abs(advantages)
+        dual = (advantages < 0) & (loss > cap)
+        loss = jnp.where(dual, cap, loss)
+    clipped = (surr2 < surr1).astype(jnp.float32)
+    stats = {
+        "clip_frac": aggregate(clipped, m),
+        "dual_clip_frac": aggregate(dual.astype(jnp.float32), m),
+        # k3 estimator of KL(old || new): unbiased and always >= 0.
+        "approx_kl": aggregate(jnp.expm1(-log_ratio) + log_ratio, m),
+        "ratio_mean": aggregate(ratio, m),
+    }
+    return aggregate(loss, m, mode=aggregation), stats
+
+
+def value_loss(
+    values: Array,
+    values_old: Array,
+    returns: Array,
+    mask: Array,
+    *,
+    clip_low: float | None = 0.5,
+    clip_high: float | None = 0.6,
+    aggregation: Aggregation = "token",
+) -> tuple[Array, dict[str, Array]]:
+    """Clipped value loss ``0.5 max((V-G)^2, (clip(V, V_old - c_lo, V_old + c_hi) - G)^2)``.
+
+    Args:
+      values: ``[B, T]`` current critic outputs; values_old: ``[B, T]`` at rollout time;
+      returns: ``[B, T]`` targets (MC returns); mask: ``[B, T]`` value mask.
+      clip_low/clip_high: ``None`` disables clipping.
+    Returns:
+      ``(loss, {"value_clip_frac", "explained_variance"})``.
+    """
+    m = mask.astype(jnp.float32)
+    err = (values - returns) ** 2
+    if clip_low is None or clip_high is None:
+        per_tok = 0.5 * err
+        clip_frac = jnp.zeros(())
+    else:
+        v_clip = jnp.clip(values, values_old - clip_low, values_old + clip_high)
+        err_clip = (v_clip - returns) ** 2
+        per_tok = 0.5 * jnp.maximum(err, err_clip)
+        clip_frac = aggregate((err_clip > err).astype(jnp.float32), m)
+    n = jnp.maximum(m.sum(), 1.0)
+    mean_g = (returns * m).sum() / n
+    var_g = (((returns - mean_g) ** 2) * m).sum() / n
+    resid = returns - values
+    mean_r = (resid * m).sum() / n
+    var_r = (((resid - mean_r) ** 2) * m).sum() / n
+    ev = jnp.where(var_g > 0, 1.0 - var_r / jnp.maximum(var_g, 1e-12), 0.0)
+    stats = {"value_clip_frac": clip_frac, "explained_variance": ev}
+    return aggregate(per_tok, m, mode=aggregation), stats
+
+
+def nll_loss(logp: Array, mask: Array) -> Array:
+    """VAPO positive-example loss: mean token NLL over ``mask``; 0 when the mask is
+    empty (no correct sample in the batch). ``logp``/``mask``: ``[B, T]``."""
+    return aggregate(-logp, mask, mode="token")
