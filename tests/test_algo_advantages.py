@@ -78,7 +78,8 @@ def test_length_adaptive_lambda_worked_numbers():
         length_adaptive_lambda(n, alpha=0.05, lam_min=0.0), [0.80, 0.95, 0.98, 0.9975586], atol=1e-6
     )
     # Default clamp at 0.95 (formula is <= 0 for n <= 20).
-    np.testing.assert_allclose(length_adaptive_lambda(jnp.array([5, 100, 1000])), [0.95, 0.95, 0.98])
+    lam = length_adaptive_lambda(jnp.array([5, 100, 1000]))
+    np.testing.assert_allclose(lam, [0.95, 0.95, 0.98])
 
 
 def test_effective_length_unfinished_adds_half_window():

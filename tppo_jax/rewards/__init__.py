@@ -1,0 +1,5 @@
+"""Rewards: math-verify outcome grading in a deadline-owning process pool, DAPO length shaping."""
+
+from tppo_jax.rewards.math import REASONS, GradeResult, MathGrader, grade_one, overlong_penalty
+
+__all__ = ["REASONS", "GradeResult", "MathGrader", "grade_one", "overlong_penalty"]

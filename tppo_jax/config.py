@@ -1,0 +1,405 @@
+"""Typed run configuration: the only place defaults live.
+
+A config is a tree of frozen dataclasses, loaded from YAML (``configs/*.yaml``)
+and overridden from the command line as ``section.key=value``. Every value is
+validated before anything compiles; errors name the key (and the closest valid
+key for typos) in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Policy/value architecture. ``source: tiny`` builds a small random decoder sized
+    here (vocab from the tokenizer); ``source: hf`` loads ``path`` (HF safetensors folder)."""
+
+    source: Literal["tiny", "hf"] = "tiny"
+    path: str | None = None
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    max_seq_len: int = 256
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    value_init: Literal["policy", "path", "random"] = "policy"
+    value_path: str | None = None
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Decode slots and windows. ``window >= max_response_len`` is synchronous PPO."""
+
+    prompts_per_step: int = 8
+    group_size: int = 4  # G samples per prompt; slots B = prompts_per_step * group_size
+    max_prompt_len: int = 64
+    max_response_len: int = 128  # L
+    window: int = 32  # l
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    kv_policy: Literal["keep", "reprefill"] = "keep"
+    page_size: int = 16
+    num_pages: int = 0  # 0 = enough for every slot at full length
+
+    @property
+    def slots(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def num_windows(self) -> int:
+        return max(1, -(-self.max_response_len // self.window))
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    """T-PPO / VAPO knobs (SPEC sections 2-5)."""
+
+    gamma: float = 1.0
+    lam_policy: float = 0.95
+    lam_critic: float = 1.0
+    length_adaptive: bool = True
+    alpha: float = 0.05
+    lam_min: float = 0.95
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip_c: float | None = 10.0
+    window_ignore_tokens: int = 8
+    loss_aggregation: Literal["token", "sample"] = "token"
+    nll_coef: float = 0.1  # mu, positive-example NLL weight; 0 disables
+    critic_warmup_steps: int = 0
+    whiten_advantages: bool = True
+    advantage_clip: float | None = 10.0
+    value_clip_low: float | None = 0.5
+    value_clip_high: float | None = 0.6
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Separate AdamW optimizers for policy and critic; linear warm-up then constant."""
+
+    policy_lr: float = 1e-4
+    value_lr: float = 2e-4
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    grad_clip: float = 1.0
+    minibatches: int = 1
+    epochs: int = 1
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "synthetic"  # "synthetic" or a .jsonl/.parquet path
+    format: Literal["dapo", "gsm8k", "math", "generic"] = "generic"
+    fields: dict[str, str] = field(default_factory=dict)
+    on_bad_row: Literal["error", "skip"] = "error"
+    difficulty: float = 1.0
+    eval_size: int = 128
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    correct: float = 1.0
+    wrong: float = 0.0
+    workers: int = 2
+    item_timeout_s: float = 2.0
+    batch_deadline_s: float = 30.0
+    overlong_buffer: int = 0  # DAPO soft overlong penalty; 0 disables
+    overlong_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # -1 = the devices left over
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 10
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    every: int = 1
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 40
+    seed: int = 0
+    eval_every: int = 0  # 0 = only before and after
+    warmstart_steps: int = 600  # supervised steps on the teacher corpus (tiny model)
+    warmstart_lr: float = 3e-3
+    warmstart_batch: int = 32
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ---- building from dicts --------------------------------------------------------------
+
+
+def _closest(name: str, options: list[str], prefix: str = "") -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    if match:
+        return f"; did you mean {prefix + match[0]!r}?"
+    return f"; valid keys: {', '.join(options)}"
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Checks ``value`` against the annotation ``tp`` (and converts ints to floats)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {str(k): str(v) for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "3e-5" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in names:
+            prefix = f"{where}." if where else ""
+            raise ConfigError(f"unknown config key {path!r}{_closest(str(key), names, prefix)}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, path)
+        else:
+            kwargs[key] = _coerce(value, tp, path)
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "fields":
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``"rollout.window=64"`` -> ``{"rollout": {"window": 64}}`` (value parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: cannot parse value ({e.problem})") from None
+    node: dict[str, Any] = {parts[-1]: value}
+    for p in reversed(parts[:-1]):
+        node = {p: node}
+    return node
+
+
+def configs_dir() -> Path:
+    """The shipped configs (``configs/`` in a checkout, ``tppo_jax.configs`` when installed)."""
+    import tppo_jax.configs as pkg
+
+    return Path(pkg.__file__).parent
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    p = Path(name)
+    if p.exists():
+        return p
+    for cand in (configs_dir() / p, configs_dir() / f"{p}.yaml"):
+        if cand.exists():
+            return cand
+    known = sorted(q.stem for q in configs_dir().glob("*.yaml"))
+    raise ConfigError(f"config file {str(name)!r} not found (shipped configs: {', '.join(known)})")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Loads a YAML config (default: the embedded ``default.yaml``), applies overrides,
+    validates, and returns a ``Config``."""
+    data: dict[str, Any] = {}
+    src = resolve_config_path(path if path is not None else "default")
+    try:
+        loaded = yaml.safe_load(src.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{src}: invalid YAML: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{src}: top level must be a mapping of sections")
+    data = _merge(data, loaded)
+    for ov in overrides or []:
+        data = _merge(data, parse_override(ov))
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    cfg = _build(Config, data, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config, num_devices: int | None = None) -> None:
+    """Cross-field checks; raises ``ConfigError`` naming the conflicting values."""
+    r, a, o = cfg.rollout, cfg.algo, cfg.optim
+    positive = {
+        "rollout.prompts_per_step": r.prompts_per_step, "rollout.group_size": r.group_size,
+        "rollout.max_response_len": r.max_response_len, "rollout.window": r.window,
+        "rollout.max_prompt_len": r.max_prompt_len, "rollout.page_size": r.page_size,
+        "algo.eps_low": a.eps_low, "algo.eps_high": a.eps_high, "algo.alpha": a.alpha,
+        "optim.minibatches": o.minibatches, "optim.epochs": o.epochs,
+        "model.hidden_size": cfg.model.hidden_size, "model.num_layers": cfg.model.num_layers,
+        "reward.item_timeout_s": cfg.reward.item_timeout_s,
+        "reward.batch_deadline_s": cfg.reward.batch_deadline_s,
+    }
+    for k, v in positive.items():
+        if not v > 0:
+            raise ConfigError(f"{k} must be > 0, got {v}")
+    for k, v in {"optim.policy_lr": o.policy_lr, "optim.value_lr": o.value_lr,
+                 "train.steps": cfg.train.steps, "algo.nll_coef": a.nll_coef,
+                 "algo.window_ignore_tokens": a.window_ignore_tokens,
+                 "algo.critic_warmup_steps": a.critic_warmup_steps,
+                 "rollout.num_pages": r.num_pages, "rollout.top_k": r.top_k}.items():
+        if v < 0:
+            raise ConfigError(f"{k} must be >= 0, got {v}")
+    if r.window < r.max_response_len and r.max_response_len % r.window:
+        raise ConfigError(
+            f"rollout.max_response_len (L={r.max_response_len}) must be a multiple of "
+            f"rollout.window (l={r.window}), or window >= max_response_len for PPO"
+        )
+    if r.window > r.max_response_len:
+        raise ConfigError(
+            f"rollout.window (l={r.window}) > rollout.max_response_len (L={r.max_response_len}); "
+            f"set window = max_response_len for synchronous PPO"
+        )
+    if a.eps_low >= 1:
+        raise ConfigError(f"algo.eps_low must be < 1, got {a.eps_low}")
+    if a.dual_clip_c is not None and a.dual_clip_c <= 1:
+        raise ConfigError(f"algo.dual_clip_c must be > 1 (or null), got {a.dual_clip_c}")
+    for k, v in {"algo.gamma": a.gamma, "algo.lam_policy": a.lam_policy,
+                 "algo.lam_critic": a.lam_critic, "algo.lam_min": a.lam_min}.items():
+        if not 0.0 <= v <= 1.0:
+            raise ConfigError(f"{k} must be in [0, 1], got {v}")
+    if not 0.0 < r.top_p <= 1.0:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    if r.temperature < 0:
+        raise ConfigError(f"rollout.temperature must be >= 0, got {r.temperature}")
+    if r.max_prompt_len + r.max_response_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"rollout.max_prompt_len + rollout.max_response_len = "
+            f"{r.max_prompt_len + r.max_response_len} exceeds model.max_seq_len "
+            f"({cfg.model.max_seq_len})"
+        )
+    if r.slots % o.minibatches:
+        raise ConfigError(
+            f"slots (prompts_per_step*group_size = {r.slots}) not divisible by "
+            f"optim.minibatches ({o.minibatches})"
+        )
+    m = cfg.mesh
+    if cfg.model.source == "hf" and not cfg.model.path:
+        raise ConfigError("model.path is required when model.source is 'hf'")
+    if cfg.model.num_heads % cfg.model.num_kv_heads:
+        raise ConfigError(
+            f"model.num_heads ({cfg.model.num_heads}) must be a multiple of "
+            f"model.num_kv_heads ({cfg.model.num_kv_heads})"
+        )
+    if num_devices is not None:
+        sizes = [m.data, m.fsdp, m.tensor]
+        fixed = 1
+        for s in sizes:
+            if s != -1:
+                fixed *= s
+        dp = (num_devices // fixed if m.data == -1 else m.data) * (
+            num_devices // fixed if m.fsdp == -1 else m.fsdp)
+        if num_devices % fixed:
+            raise ConfigError(f"mesh {sizes} does not divide {num_devices} devices")
+        if r.slots % max(dp, 1):
+            raise ConfigError(
+                f"slots ({r.slots}) not divisible by the data-parallel size "
+                f"mesh.data*mesh.fsdp = {dp}"
+            )

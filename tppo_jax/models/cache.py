@@ -1,0 +1,166 @@
+"""Attention core and the KV-cache interface the decoder talks to.
+
+The decoder never touches cache storage itself: during cached decoding each attention layer
+hands its freshly projected (and RoPE-rotated) ``q, k, v`` to
+``cache.update_and_attend(layer_idx, q, k, v, positions, valid)``, which stores ``k, v`` and
+returns the attention output. That one method is the whole contract, so the rollout engine
+can swap ``DenseKVCache`` for a paged cache without changing the model.
+
+Caches are pytrees (``flax.struct`` dataclasses) so a whole decode step jits, and every
+method is functional: it returns a new cache instead of mutating.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+# A large finite negative instead of -inf: a query whose keys are all masked (padding rows)
+# then gets a uniform softmax instead of NaNs that would poison gradients through `where`.
+MASK_VALUE = -1e30
+
+
+def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query scaled dot-product attention, softmax in float32.
+
+    Args:
+      q: ``[B, T, Hq, D]`` queries.
+      k: ``[B, S, Hkv, D]`` keys; ``Hq`` must be a multiple of ``Hkv``.
+      v: ``[B, S, Hkv, D]`` values.
+      mask: ``[B, T, S]`` bool, True where query t may attend to key s.
+
+    Returns:
+      ``[B, T, Hq, D]`` in ``q.dtype``.
+    """
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    group = hq // hkv
+    # Query heads h*group .. h*group+group-1 share kv head h (HF repeat_kv order).
+    qg = q.reshape(b, t, hkv, group, d)
+    scores = jnp.einsum(
+        "btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32
+    ) * (1.0 / jnp.sqrt(jnp.float32(d)))
+    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def causal_padding_mask(attention_mask: jax.Array | None, b: int, t: int) -> jax.Array:
+    """``[B, T, T]`` mask for full-sequence attention: causal by index, keys must be valid.
+
+    Args:
+      attention_mask: ``[B, T]`` (1/True = real token) or None (all valid).
+    """
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
+    if attention_mask is None:
+        return jnp.broadcast_to(causal, (b, t, t))
+    return causal & attention_mask.astype(bool)[:, None, :]
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """What ``Transformer.forward_with_cache`` needs from a cache (dense or paged)."""
+
+    def update_and_attend(
+        self,
+        layer_idx: int,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        positions: jax.Array,
+        valid: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:
+        """Stores this step's keys/values for layer ``layer_idx`` and attends.
+
+        Args:
+          layer_idx: static Python int, the decoder layer.
+          q: ``[B, T, Hq, D]`` RoPE-rotated queries of the new tokens.
+          k: ``[B, T, Hkv, D]`` RoPE-rotated keys of the new tokens.
+          v: ``[B, T, Hkv, D]`` values of the new tokens.
+          positions: ``[B, T]`` int32 absolute position of each new token in its sequence.
+          valid: ``[B, T]`` bool; False tokens are neither stored nor meaningful as outputs.
+
+        Returns:
+          ``(out [B, T, Hq, D], new_cache)``: each query attends to every cached position
+          ``<=`` its own (including the tokens written in this call).
+        """
+        ...
+
+
+@struct.dataclass
+class DenseKVCache:
+    """Contiguous per-sequence cache: slot ``s`` of row ``b`` holds position ``s``.
+
+    Attributes:
+      k: ``[L, B, S_max, Hkv, D]`` cached keys (RoPE already applied).
+      v: ``[L, B, S_max, Hkv, D]`` cached values.
+      lengths: ``[B]`` int32, one past the highest position written so far.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    # Logical axes per field, for sharding the cache with `parallel.mesh.named_sharding`.
+    LOGICAL_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+
+    @classmethod
+    def init(
+        cls,
+        num_layers: int,
+        batch: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: jnp.dtype = jnp.float32,
+    ) -> DenseKVCache:
+        """An empty cache able to hold ``max_len`` positions per row."""
+        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+        return cls(
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
+            lengths=jnp.zeros((batch,), jnp.int32),
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def update_and_attend(
+        self,
+        layer_idx: int,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        positions: jax.Array,
+        valid: jax.Array,
+    ) -> tuple[jax.Array, DenseKVCache]:
+        """See ``KVCache.update_and_attend``."""
+        b = q.shape[0]
+        s_max = self.max_len
+        positions = positions.astype(jnp.int32)
+        valid = valid.astype(bool)
+        # Invalid tokens are routed to an out-of-range slot and dropped by the scatter, so
+        # padding never overwrites cached entries of the real sequence.
+        slot = jnp.where(valid, positions, s_max)
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
+        layer_k = self.k[layer_idx].at[rows, slot].set(k.astype(self.k.dtype), mode="drop")
+        layer_v = self.v[layer_idx].at[rows, slot].set(v.astype(self.v.dtype), mode="drop")
+        new_k = self.k.at[layer_idx].set(layer_k)
+        new_v = self.v.at[layer_idx].set(layer_v)
+        # Slots <= the query position were all written by this sequence (prefix is contiguous),
+        # so stale data from an earlier occupant of the row beyond that is never read.
+        mask = jnp.arange(s_max)[None, None, :] <= positions[:, :, None]
+        out = gqa_attention(q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), mask)
+        top = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)
+        lengths = jnp.maximum(self.lengths, top)
+        return out, self.replace(k=new_k, v=new_v, lengths=lengths)
+
+    def reset_rows(self, rows: jax.Array) -> DenseKVCache:
+        """Frees rows (``[B]`` bool): their length goes back to 0 (storage is reused as is)."""
+        return self.replace(lengths=jnp.where(rows, 0, self.lengths))

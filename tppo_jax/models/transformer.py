@@ -1,0 +1,367 @@
+"""Decoder-only transformer (Qwen2 / Llama family) in Flax NNX.
+
+Layout conventions (JAX side; ``hf.py`` converts to/from HF's ``[out, in]``):
+
+- embedding ``[V, H]``; lm head ``[H, V]`` (absent when embeddings are tied);
+- q ``[H, Hq, D]``, k/v ``[H, Hkv, D]``, o ``[Hq, D, H]``; biases ``[Hq|Hkv, D]``;
+- gate/up ``[H, I]``, down ``[I, H]``; norm scales ``[H]``.
+
+Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds *logical* axis names
+from ``parallel.mesh.LOGICAL_RULES``; ``shard_model`` / ``create_model`` turn them into
+NamedShardings. Eager sharding is off so building a model never needs a mesh.
+
+Precision: params and activations use ``config.dtype``; RMSNorm statistics, RoPE, attention
+softmax and logits are float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from tppo_jax.models.cache import KVCache, causal_padding_mask, gqa_attention
+from tppo_jax.parallel.mesh import named_sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters (names follow HF ``config.json`` where they exist)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        # Stored as sorted item tuples so the config is hashable (NNX keeps it as static
+        # graph metadata, and jit caches on it); `rope_scaling_dict` gives the dict back.
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 128, **overrides: Any) -> ModelConfig:
+        """~0.8M-parameter preset for CPU tests and the embedded default run."""
+        base: dict[str, Any] = dict(
+            vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_layers=4,
+            num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10000.0, rms_norm_eps=1e-6,
+            qkv_bias=True, tie_embeddings=True, max_position_embeddings=2048,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """``[D/2]`` float32 inverse frequencies, with HF-style ``rope_scaling`` applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    sc = cfg.rope_scaling_dict
+    kind = None if sc is None else sc.get("rope_type", sc.get("type", "default"))
+    if kind in (None, "default"):
+        return inv
+    factor = float(sc["factor"])
+    if kind == "linear":
+        # Linear interpolation divides positions by `factor`; same as dividing frequencies.
+        return inv / factor
+    if kind == "llama3":
+        low = float(sc.get("low_freq_factor", 1.0))
+        high = float(sc.get("high_freq_factor", 4.0))
+        old_ctx = float(sc.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        # Long wavelengths are interpolated by `factor`, short ones kept, the band between
+        # blended linearly in 1/wavelength (Llama 3.1 recipe).
+        scaled = jnp.where(wavelen > old_ctx / low, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return jnp.where(medium, blended, scaled)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates ``x [B, T, N, D]`` by ``positions [B, T]`` (HF rotate-half layout)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
+           dtype: jnp.dtype, init: str = "normal") -> nnx.Param:
+    """A Param carrying logical axes; ``init`` is 'normal' (std 0.02, HF default), 'ones' or
+    'zeros'."""
+    if init == "normal":
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    elif init == "ones":
+        value = jnp.ones(shape, dtype)
+    else:
+        value = jnp.zeros(shape, dtype)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    """``x * rsqrt(mean(x^2) + eps) * scale``, statistics in float32."""
+
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype, *, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = _param(rngs, (dim,), ("norm",), dtype, "ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        # HF casts back to the activation dtype before scaling; match it for bf16 parity.
+        return self.scale[...] * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE and optional q/k/v bias."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h, hq, hkv, d, dt = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.jnp_dtype)
+        self.q = _param(rngs, (h, hq, d), ("embed", "heads", "head_dim"), dt)
+        self.k = _param(rngs, (h, hkv, d), ("embed", "kv_heads", "head_dim"), dt)
+        self.v = _param(rngs, (h, hkv, d), ("embed", "kv_heads", "head_dim"), dt)
+        self.o = _param(rngs, (hq, d, h), ("heads", "head_dim", "embed"), dt)
+        self.qkv_bias = cfg.qkv_bias
+        if cfg.qkv_bias:
+            self.q_bias = _param(rngs, (hq, d), ("heads", "head_dim"), dt, "zeros")
+            self.k_bias = _param(rngs, (hkv, d), ("kv_heads", "head_dim"), dt, "zeros")
+            self.v_bias = _param(rngs, (hkv, d), ("kv_heads", "head_dim"), dt, "zeros")
+
+    def _qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
+        q = jnp.einsum("bth,hnd->btnd", x, self.q[...])
+        k = jnp.einsum("bth,hnd->btnd", x, self.k[...])
+        v = jnp.einsum("bth,hnd->btnd", x, self.v[...])
+        if self.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
+                 inv_freq: jax.Array) -> jax.Array:
+        """``x [B, T, H]``, ``mask [B, T, T]`` -> ``[B, T, H]``."""
+        q, k, v = self._qkv(x, positions, inv_freq)
+        return jnp.einsum("btnd,ndh->bth", gqa_attention(q, k, v, mask), self.o[...])
+
+    def with_cache(self, x: jax.Array, positions: jax.Array, valid: jax.Array,
+                   inv_freq: jax.Array, cache: KVCache, layer_idx: int):
+        """Cached variant: the cache stores k/v and does the attention."""
+        q, k, v = self._qkv(x, positions, inv_freq)
+        out, cache = cache.update_and_attend(layer_idx, q, k, v, positions, valid)
+        return jnp.einsum("btnd,ndh->bth", out, self.o[...]), cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate x) * up x)``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        h, i, dt = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_dtype
+        self.gate = _param(rngs, (h, i), ("embed", "mlp"), dt)
+        self.up = _param(rngs, (h, i), ("embed", "mlp"), dt)
+        self.down = _param(rngs, (i, h), ("mlp", "embed"), dt)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        g = jnp.einsum("bth,hi->bti", x, self.gate[...])
+        u = jnp.einsum("bth,hi->bti", x, self.up[...])
+        return jnp.einsum("bti,ih->bth", jax.nn.silu(g) * u, self.down[...])
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dt = cfg.jnp_dtype
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, positions, mask, inv_freq):
+        x = x + self.attn(self.attn_norm(x), positions, mask, inv_freq)
+        return x + self.mlp(self.mlp_norm(x))
+
+    def with_cache(self, x, positions, valid, inv_freq, cache, layer_idx):
+        a, cache = self.attn.with_cache(self.attn_norm(x), positions, valid, inv_freq, cache,
+                                        layer_idx)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), cache
+
+
+def _default_positions(tokens: jax.Array) -> jax.Array:
+    b, t = tokens.shape
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+
+
+class Backbone(nnx.Module):
+    """Embedding + decoder layers + final norm; shared by the policy and the value model."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
+                            cfg.jnp_dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 attention_mask: jax.Array | None = None) -> jax.Array:
+        """``tokens [B, T]`` -> final-normed hidden states ``[B, T, H]`` (config dtype).
+
+        Attention is causal by index with padded keys (``attention_mask == 0``) masked out,
+        i.e. right padding; ``positions`` default to ``0..T-1`` and only drive RoPE.
+        """
+        b, t = tokens.shape
+        positions = _default_positions(tokens) if positions is None else positions
+        mask = causal_padding_mask(attention_mask, b, t)
+        inv_freq = rope_inv_freq(self.config)
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        for layer in self.layers:
+            x = layer(x, positions, mask, inv_freq)
+        return self.final_norm(x)
+
+    def with_cache(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
+                   valid: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Cached forward of new tokens ``[B, T]`` -> (hidden ``[B, T, H]``, new cache)."""
+        inv_freq = rope_inv_freq(self.config)
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        for i, layer in enumerate(self.layers):
+            x, cache = layer.with_cache(x, positions, valid, inv_freq, cache, i)
+        return self.final_norm(x), cache
+
+
+class Transformer(nnx.Module):
+    """Causal LM: ``Backbone`` + (tied or separate) LM head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = cfg
+        self.backbone = Backbone(cfg, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"),
+                                  cfg.jnp_dtype)
+
+    def lm_head_weight(self) -> jax.Array:
+        """``[H, V]`` output projection (the transposed embedding when tied)."""
+        if self.config.tie_embeddings:
+            return self.backbone.embed[...].T
+        return self.lm_head[...]
+
+    def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
+        """``hidden [..., H]`` -> float32 logits ``[..., V]``."""
+        return jnp.einsum("...h,hv->...v", hidden, self.lm_head_weight(),
+                          preferred_element_type=jnp.float32)
+
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
+                      attention_mask: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states ``[B, T, H]``; see ``Backbone.__call__``."""
+        return self.backbone(tokens, positions, attention_mask)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 attention_mask: jax.Array | None = None) -> jax.Array:
+        """``tokens [B, T]`` -> float32 logits ``[B, T, V]`` (causal, right padding)."""
+        return self.logits_from_hidden(self.hidden_states(tokens, positions, attention_mask))
+
+    def init_cache(self, batch: int, max_len: int):
+        """An empty ``DenseKVCache`` for this model."""
+        from tppo_jax.models.cache import DenseKVCache
+
+        c = self.config
+        return DenseKVCache.init(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
+                                 c.jnp_dtype)
+
+    def forward_with_cache(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *,
+                           valid: jax.Array) -> tuple[jax.Array, KVCache]:
+        """Prefill or decode step through a KV cache.
+
+        Args:
+          tokens: ``[B, T]`` new tokens (T = prompt bucket for prefill, 1 for decode).
+          positions: ``[B, T]`` their absolute positions.
+          cache: any ``KVCache`` (dense or paged).
+          valid: ``[B, T]`` bool; invalid tokens are not cached and their logits are junk.
+
+        Returns:
+          ``(logits [B, T, V] float32, new_cache)``.
+        """
+        hidden, cache = self.backbone.with_cache(tokens, positions, cache, valid)
+        return self.logits_from_hidden(hidden), cache
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def _is_param(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_shardings(tree: Any, mesh: Mesh) -> Any:
+    """Replaces every Variable of an ``nnx.State`` (concrete or abstract) by its NamedSharding,
+    derived from the Variable's logical ``out_sharding`` axes."""
+
+    def one(var: nnx.Variable):
+        axes = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
+        return named_sharding(mesh, axes, var.shape)
+
+    return jax.tree.map(one, tree, is_leaf=_is_param)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+    """Places every parameter of ``model`` per its logical axes (in place; returns ``model``)."""
+    state = nnx.state(model)
+    shardings = param_shardings(state, mesh)
+    placed = jax.tree.map(
+        lambda v, s: v.replace(jax.device_put(v.get_value(), s)), state, shardings,
+        is_leaf=_is_param,
+    )
+    nnx.update(model, placed)
+    return model
+
+
+def create_model(cfg: ModelConfig, *, seed: int = 0, mesh: Mesh | None = None,
+                 cls: type[nnx.Module] = Transformer) -> nnx.Module:
+    """Builds ``cls(cfg)``; with a mesh, initialises each param directly in its sharding
+    (jit with out_shardings) so no device ever holds the full model."""
+    if mesh is None:
+        return cls(cfg, rngs=nnx.Rngs(seed))
+    abstract = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(seed)))
+    graphdef, abs_state = nnx.split(abstract)
+    out_shardings = param_shardings(abs_state, mesh)
+
+    @jax.jit
+    def init():
+        state = nnx.state(cls(cfg, rngs=nnx.Rngs(seed)))
+        values = jax.tree.map(lambda v: v.get_value(), state, is_leaf=_is_param)
+        return jax.lax.with_sharding_constraint(values, out_shardings)
+
+    values = init()
+    state = jax.tree.map(lambda v, x: v.replace(x), abs_state, values, is_leaf=_is_param)
+    return nnx.merge(graphdef, state)

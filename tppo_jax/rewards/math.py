@@ -1,0 +1,379 @@
+"""Outcome rewards: math-verify grading in a pool of worker processes that owns the deadline.
+
+Why a hand-rolled pool instead of ``ProcessPoolExecutor``: math-verify's own timeout is
+``signal.alarm`` (whole seconds, main thread only, and it cannot interrupt a long C call such as a
+huge integer power), so the parent must be able to kill *one* stuck worker. An executor neither
+tells when a queued task actually started (so per-item timeouts are unknowable) nor survives a
+killed worker (``BrokenProcessPool``). Here every worker has its own pipe; the parent dispatches
+one item at a time, times it, and kills + replaces a worker that overruns ``item_timeout_s``.
+Whatever is unfinished at ``batch_deadline_s`` scores as a timeout, so a batch never hangs.
+
+Reasons per item: ``ok`` (correct), ``wrong``, ``no_answer`` (no ``\\boxed{}`` / unparsable),
+``timeout``, ``crash`` (worker died or grading raised).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+
+from tppo_jax.data.readers import last_boxed
+
+logger = logging.getLogger(__name__)
+
+REASONS = ("ok", "wrong", "no_answer", "timeout", "crash")
+
+
+# ------------------------------------------------------------------------ grading (any process)
+def grade_one(
+    completion: str, answer: str, *, require_boxed: bool = True, mv_timeout_s: int | None = 1
+) -> str:
+    """Grade one completion against a ground-truth answer; returns a reason from REASONS.
+
+    ``require_boxed``: only the last ``\\boxed{...}`` counts (the trained answer format), so an
+    unformatted answer is ``no_answer`` even if its number is right. ``mv_timeout_s`` is passed to
+    math-verify's own (SIGALRM) timeouts -- a cheap first line of defence; None disables them
+    (required off the main thread).
+    """
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
+
+    if require_boxed:
+        content = last_boxed(completion)
+        if content is None or not content.strip():
+            return "no_answer"
+        pred_text = f"\\boxed{{{content}}}"
+    else:
+        pred_text = completion
+    try:
+        gold = parse(f"\\boxed{{{answer}}}", parsing_timeout=mv_timeout_s)
+        if not gold:
+            gold = parse(answer, parsing_timeout=mv_timeout_s)
+    except TimeoutException:
+        return "timeout"
+    if not gold:
+        raise ValueError(f"unparsable ground-truth answer {answer!r}")
+    try:
+        pred = parse(pred_text, parsing_timeout=mv_timeout_s, raise_on_error=True)
+    except TimeoutException:
+        return "timeout"
+    except Exception:  # noqa: BLE001 - any parse failure means the answer is unreadable
+        return "no_answer"
+    if not pred:
+        return "no_answer"
+    t0 = time.monotonic()
+    ok = verify(gold, pred, timeout_seconds=mv_timeout_s)
+    # verify() swallows its own timeout and returns False; recover the distinction by the clock.
+    if not ok and mv_timeout_s and time.monotonic() - t0 >= mv_timeout_s * 0.95:
+        return "timeout"
+    return "ok" if ok else "wrong"
+
+
+def _worker_main(conn: Connection, require_boxed: bool, mv_timeout_s: int | None) -> None:
+    """Worker loop: pre-warm, then answer ``(idx, completion, answer)`` until ``None``/EOF."""
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # timeouts are counted, not logged
+    grade_one("\\boxed{1}", "1", mv_timeout_s=mv_timeout_s)  # import + compile regexes now
+    try:
+        conn.send(("ready", os.getpid()))
+    except OSError:  # the parent closed or replaced us while we were starting
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        idx, completion, answer = msg
+        try:
+            reason = grade_one(completion, answer, require_boxed=require_boxed,
+                               mv_timeout_s=mv_timeout_s)
+        except Exception:  # noqa: BLE001 - a grading bug scores 0, it must not kill the worker
+            reason = "crash"
+        try:
+            conn.send((idx, reason))
+        except OSError:
+            return
+
+
+# ---------------------------------------------------------------------------------- the pool
+@dataclass
+class _Worker:
+    proc: Any  # multiprocessing.Process from the chosen context
+    conn: Connection
+    ready: bool = False
+    task: int | None = None
+    started: float = 0.0
+    done: int = 0
+
+
+@dataclass
+class GradeResult:
+    """Per-item outcome of :meth:`MathGrader.grade`."""
+
+    rewards: np.ndarray  # [N] float32
+    correct: np.ndarray  # [N] bool
+    reasons: list[str]
+    counts: dict[str, int] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+class MathGrader:
+    """Grades completions with math-verify in ``num_workers`` processes.
+
+    Args:
+      num_workers: worker processes; 0 grades inline (no kill-based deadline; debugging only).
+      item_timeout_s: wall-clock limit per item, measured from dispatch to a worker.
+      batch_deadline_s: wall-clock limit per ``grade`` call.
+      max_tasks_per_child: recycle a worker after this many items (bounds sympy cache growth).
+      correct_reward, wrong_reward: reward values (e.g. 1/0 or 1/-1).
+      no_answer_reward: reward for a missing/unparsable answer (default: ``wrong_reward``).
+      error_reward: reward for ``timeout``/``crash`` items.
+      require_boxed: grade only the last ``\\boxed{}`` (see :func:`grade_one`).
+      mv_timeout_s: math-verify's inner timeout in whole seconds (None: off).
+      mp_context: ``"spawn"`` or ``"forkserver"`` (never fork: the parent runs JAX threads).
+      startup_timeout_s: how long the constructor waits for the pre-warmed workers.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 2,
+        item_timeout_s: float = 2.0,
+        batch_deadline_s: float = 30.0,
+        max_tasks_per_child: int = 500,
+        *,
+        correct_reward: float = 1.0,
+        wrong_reward: float = 0.0,
+        no_answer_reward: float | None = None,
+        error_reward: float = 0.0,
+        require_boxed: bool = True,
+        mv_timeout_s: int | None = 1,
+        mp_context: str = "spawn",
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        if num_workers < 0 or item_timeout_s <= 0 or batch_deadline_s <= 0:
+            raise ValueError("num_workers >= 0 and positive timeouts required")
+        if max_tasks_per_child < 1:
+            raise ValueError("max_tasks_per_child must be >= 1")
+        self.num_workers = num_workers
+        self.item_timeout_s = item_timeout_s
+        self.batch_deadline_s = batch_deadline_s
+        self.max_tasks_per_child = max_tasks_per_child
+        self.reward_of = {
+            "ok": correct_reward,
+            "wrong": wrong_reward,
+            "no_answer": wrong_reward if no_answer_reward is None else no_answer_reward,
+            "timeout": error_reward,
+            "crash": error_reward,
+        }
+        self.require_boxed = require_boxed
+        self.mv_timeout_s = mv_timeout_s
+        self._ctx = mp.get_context(mp_context)
+        # Lifetime counters, for logs and tests.
+        self.stats = {"started": 0, "recycled": 0, "killed": 0, "died": 0}
+        self._workers: list[_Worker] = []
+        self._retired: list[Any] = []
+        self._closed = False
+        for _ in range(num_workers):
+            self._workers.append(self._spawn())
+        if num_workers:
+            self._wait_ready(startup_timeout_s)
+
+    # -------------------------------------------------------------------- worker management
+    def _spawn(self) -> _Worker:
+        parent, child = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=_worker_main, args=(child, self.require_boxed, self.mv_timeout_s), daemon=True
+        )
+        proc.start()
+        child.close()  # so the parent sees EOF when the worker dies
+        self.stats["started"] += 1
+        return _Worker(proc, parent)
+
+    def _replace(self, i: int, *, kill: bool) -> None:
+        w = self._workers[i]
+        if kill:
+            w.proc.kill()
+            self.stats["killed"] += 1
+        else:
+            with contextlib.suppress(OSError):  # graceful: the worker exits after its loop
+                w.conn.send(None)
+        w.conn.close()
+        self._retired.append(w.proc)
+        self._reap()
+        self._workers[i] = self._spawn()
+
+    def _reap(self) -> None:
+        """Join finished retired processes without blocking."""
+        alive = []
+        for p in self._retired:
+            p.join(timeout=0)
+            if p.is_alive():
+                alive.append(p)
+        self._retired = alive
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while not all(w.ready for w in self._workers):
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("grading workers did not start in time")
+            waiting = [w.conn for w in self._workers if not w.ready]
+            for conn in wait(waiting, timeout=left):
+                i = next(k for k, w in enumerate(self._workers) if w.conn is conn)
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError) as e:
+                    raise RuntimeError("a grading worker died during start-up") from e
+                if msg[0] == "ready":
+                    self._workers[i].ready = True
+
+    def worker_pids(self) -> list[int | None]:
+        """PIDs of the current workers (for monitoring and tests)."""
+        return [w.proc.pid for w in self._workers]
+
+    # ------------------------------------------------------------------------------ grading
+    def grade(self, completions: Sequence[str], answers: Sequence[str]) -> GradeResult:
+        """Grade ``completions[i]`` against ``answers[i]``; never exceeds the batch deadline
+        by more than the time it takes to kill the stuck workers."""
+        if len(completions) != len(answers):
+            raise ValueError(f"{len(completions)} completions vs {len(answers)} answers")
+        if self._closed:
+            raise RuntimeError("MathGrader is closed")
+        t0 = time.monotonic()
+        if self.num_workers == 0:
+            reasons = [self._grade_inline(c, a) for c, a in zip(completions, answers, strict=True)]
+        else:
+            reasons = self._grade_pool(list(completions), list(answers), t0)
+        return self._result(reasons, time.monotonic() - t0)
+
+    def _grade_inline(self, completion: str, answer: str) -> str:
+        try:
+            return grade_one(completion, answer, require_boxed=self.require_boxed,
+                             mv_timeout_s=self.mv_timeout_s)
+        except Exception:  # noqa: BLE001
+            logger.exception("grading failed")
+            return "crash"
+
+    def _grade_pool(self, completions: list[str], answers: list[str], t0: float) -> list[str]:
+        n = len(completions)
+        reasons: list[str | None] = [None] * n
+        pending = deque(range(n))
+        deadline = t0 + self.batch_deadline_s
+        while pending or any(w.task is not None for w in self._workers):
+            now = time.monotonic()
+            for w in self._workers:  # dispatch to idle, warm workers
+                if w.ready and w.task is None and pending:
+                    idx = pending.popleft()
+                    try:
+                        w.conn.send((idx, completions[idx], answers[idx]))
+                        w.task, w.started = idx, now
+                    except OSError:  # died while idle: retried on a fresh worker
+                        pending.appendleft(idx)
+                        w.ready = False
+            busy = [w.started + self.item_timeout_s for w in self._workers if w.task is not None]
+            wake = min([deadline, *busy])
+            conns = [w.conn for w in self._workers if not w.conn.closed]
+            for conn in wait(conns, timeout=max(0.0, wake - time.monotonic())):
+                self._on_message(conn, reasons)
+            now = time.monotonic()
+            for i, w in enumerate(self._workers):
+                if w.task is not None and now - w.started > self.item_timeout_s:
+                    reasons[w.task] = "timeout"
+                    self._replace(i, kill=True)
+                elif not w.ready and w.task is None and not w.proc.is_alive():
+                    self.stats["died"] += 1  # died during start-up or while idle
+                    self._replace(i, kill=False)
+            if now >= deadline:
+                for i, w in enumerate(self._workers):
+                    if w.task is not None:
+                        reasons[w.task] = "timeout"
+                        self._replace(i, kill=True)
+                for idx in pending:
+                    reasons[idx] = "timeout"
+                break
+        return [r if r is not None else "timeout" for r in reasons]
+
+    def _on_message(self, conn: Connection, reasons: list[str | None]) -> None:
+        i = next(k for k, w in enumerate(self._workers) if w.conn is conn)
+        w = self._workers[i]
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the worker process died (segfault, OOM kill, ...)
+            if w.task is not None:
+                reasons[w.task] = "crash"
+            self.stats["died"] += 1
+            self._replace(i, kill=True)
+            return
+        if msg[0] == "ready":
+            w.ready = True
+            return
+        idx, reason = msg
+        if idx == w.task:
+            reasons[idx] = reason
+        w.task = None
+        w.done += 1
+        if w.done >= self.max_tasks_per_child:
+            self.stats["recycled"] += 1
+            self._replace(i, kill=False)
+
+    def _result(self, reasons: list[str], elapsed: float) -> GradeResult:
+        counts = dict.fromkeys(REASONS, 0)
+        for r in reasons:
+            counts[r] += 1
+        rewards = np.array([self.reward_of[r] for r in reasons], dtype=np.float32)
+        correct = np.array([r == "ok" for r in reasons], dtype=bool)
+        return GradeResult(rewards, correct, reasons, counts, elapsed)
+
+    # ---------------------------------------------------------------------------- lifecycle
+    def close(self) -> None:
+        """Stop all workers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            with contextlib.suppress(OSError):
+                w.conn.send(None)
+            w.conn.close()
+        for p in [w.proc for w in self._workers] + self._retired:
+            p.join(timeout=1.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=1.0)
+        self._workers, self._retired = [], []
+
+    def __enter__(self) -> MathGrader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.close()
+
+
+def overlong_penalty(
+    lengths: np.ndarray | Sequence[int], max_len: int, buffer_len: int, penalty: float = 1.0
+) -> np.ndarray:
+    """DAPO soft overlong punishment, added to the outcome reward.
+
+    ``0`` for ``|y| <= max_len - buffer_len``; ``penalty * (max_len - buffer_len - |y|) /
+    buffer_len`` (linear from 0 down to ``-penalty``) up to ``max_len``; ``-penalty`` beyond.
+    """
+    if buffer_len <= 0 or buffer_len > max_len:
+        raise ValueError("need 0 < buffer_len <= max_len")
+    y = np.asarray(lengths, dtype=np.float64)
+    soft = max_len - buffer_len
+    r = np.where(y <= soft, 0.0, (soft - y) / buffer_len)
+    return (penalty * np.maximum(r, -1.0)).astype(np.float32)

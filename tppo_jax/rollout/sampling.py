@@ -1,0 +1,114 @@
+"""Token sampling for rollouts: temperature, top-k, top-p (nucleus), greedy; per-slot RNG.
+
+Log-prob convention (SPEC: logp_old = log-prob under the policy that sampled the token):
+  logprob = log_softmax(logits / temperature)[token]
+i.e. the temperature-scaled *full* softmax. Top-k / top-p truncation is NOT included, as in verl:
+the trainer recomputes log_softmax(logits / temperature) for the PPO ratio, so recording the
+untruncated value keeps the ratio exactly 1 on-policy. Rows sampled greedily (greedy=True or
+temperature == 0) record log_softmax(logits)[token] (temperature treated as 1).
+
+Truncation order (vLLM / HF): top-k first, then top-p on the renormalized top-k distribution.
+top_k <= 0 or >= V disables top-k; top_p >= 1 disables top-p. The most likely token is always
+kept, so the nucleus is never empty.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+ArrayOrScalar = Array | float | int | bool
+
+
+def slot_keys(key: Array, slot_ids: Array, step: Array | int) -> Array:
+    """[B] keys = fold_in(fold_in(key, step), slot_id).
+
+    Why fold_in rather than split: a slot's randomness depends only on (key, step, id), not on
+    the batch size or which other slots are active, so refills do not perturb other samples.
+    Pass a stable per-sequence id instead of the slot index to make a sequence reproducible
+    across slot reassignments.
+    """
+    step_key = jax.random.fold_in(key, jnp.asarray(step, jnp.uint32))
+    return jax.vmap(lambda i: jax.random.fold_in(step_key, i))(jnp.asarray(slot_ids, jnp.uint32))
+
+
+def _per_row_keys(rng: Array, b: int) -> Array:
+    """One key (typed () or raw (2,)) -> split into [b]; [b] keys pass through."""
+    typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    single = rng.ndim == 0 if typed else rng.ndim == 1
+    return jax.random.split(rng, b) if single else rng
+
+
+def _row(x: ArrayOrScalar, b: int, dtype: jnp.dtype) -> Array:
+    """Scalar or [B] -> [B] of dtype."""
+    return jnp.broadcast_to(jnp.asarray(x, dtype), (b,))
+
+
+def truncation_mask(
+    scaled_logits: Array, top_p: ArrayOrScalar = 1.0, top_k: ArrayOrScalar = 0
+) -> tuple[Array, Array]:
+    """Which tokens survive top-k then top-p, in descending-logit order.
+
+    Args:
+      scaled_logits: [B, V] f32 (already divided by temperature).
+      top_p: scalar or [B]; top_k: scalar or [B] int (<= 0 = off).
+    Returns:
+      (order [B, V] int32 token ids sorted by descending logit, keep [B, V] bool over that order).
+    """
+    b, vocab = scaled_logits.shape
+    top_p = _row(top_p, b, jnp.float32)
+    top_k = _row(top_k, b, jnp.int32)
+    # Stable sort of negated logits: descending, ties broken by lower token id.
+    order = jnp.argsort(-scaled_logits, axis=-1, stable=True).astype(jnp.int32)
+    sorted_logits = jnp.take_along_axis(scaled_logits, order, axis=-1)
+    rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+    k_eff = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
+    keep = rank < k_eff[:, None]
+    # Nucleus on the renormalized top-k distribution: keep a token if the mass strictly before
+    # it is < top_p (so the token that crosses top_p is included, and rank 0 always is).
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= (mass_before < top_p[:, None]) | (rank == 0)
+    return order, keep
+
+
+def sample(
+    logits: Array,
+    rng: Array,
+    *,
+    temperature: ArrayOrScalar = 1.0,
+    top_p: ArrayOrScalar = 1.0,
+    top_k: ArrayOrScalar = 0,
+    greedy: ArrayOrScalar = False,
+) -> tuple[Array, Array]:
+    """Sample one token per row.
+
+    Args:
+      logits: [B, V] (any float dtype; computed in f32).
+      rng: one key (split into B) or [B] keys (e.g. from `slot_keys`).
+      temperature, top_p, top_k, greedy: scalars or [B] per-slot arrays. temperature 0 or
+        greedy=True -> argmax.
+    Returns:
+      tokens [B] int32, logprobs [B] f32 = log_softmax(logits / temperature)[token]
+      (untruncated; see module docstring).
+    """
+    logits = logits.astype(jnp.float32)
+    b = logits.shape[0]
+    temperature = _row(temperature, b, jnp.float32)
+    is_greedy = _row(greedy, b, bool) | (temperature <= 0)
+    # Greedy rows use temperature 1 so the division is safe and the log-prob is well defined.
+    t = jnp.where(is_greedy, 1.0, temperature)
+    scaled = logits / t[:, None]
+    logp_full = jax.nn.log_softmax(scaled, axis=-1)
+
+    order, keep = truncation_mask(scaled, top_p, top_k)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    keys = _per_row_keys(rng, b)
+    choice = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, masked)
+    sampled = jnp.take_along_axis(order, choice[:, None].astype(jnp.int32), axis=-1)[:, 0]
+
+    tokens = jnp.where(is_greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
+    logprobs = jnp.take_along_axis(logp_full, tokens[:, None], axis=-1)[:, 0]
+    return tokens, logprobs
