@@ -16,11 +16,11 @@ import jax.numpy as jnp
 def _chunk_stats(h: jax.Array, w: jax.Array, tgt: jax.Array, inv_temp: float):
     """``h [B, C, H]``, ``w [H, V]``, ``tgt [B, C]`` -> (logp ``[B, C]``, entropy ``[B, C]``)."""
     logits = jnp.einsum("bch,hv->bcv", h, w, preferred_element_type=jnp.float32) * inv_temp
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt_logit = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
-    probs = jnp.exp(logits - lse[..., None])
-    entropy = lse - jnp.sum(probs * logits, axis=-1)
-    return tgt_logit - lse, entropy
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    # -sum p log p on normalised log-probs; `lse - sum(p * logits)` cancels catastrophically
+    # for peaked distributions.
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return jnp.take_along_axis(logp, tgt[..., None], axis=-1)[..., 0], entropy
 
 
 def token_logprobs(

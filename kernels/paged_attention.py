@@ -9,7 +9,7 @@ Layouts (identical to the Pallas kernels jax ships, so no transposes on the hot 
 `paged_attention` dispatches on `impl`:
   "reference"   jax.numpy: gather pages, mask beyond length, fp32 softmax (any backend).
   "pallas_tpu"  jax.experimental.pallas.ops.tpu.paged_attention (Mosaic TPU kernel).
-  "pallas_gpu"  jax.experimental.pallas.ops.gpu.paged_attention (Triton kernel, jax 0.10.2 ships it).
+  "pallas_gpu"  jax.experimental.pallas.ops.gpu.paged_attention (Triton; shipped in jax 0.10.2).
   "pallas"      the Pallas kernel for jax.default_backend(); error on CPU unless interpret=True
                 (then the TPU kernel runs in the Pallas TPU interpreter).
   "auto"        "pallas" on TPU/GPU, "reference" elsewhere.
@@ -61,8 +61,13 @@ def _attend(q: Array, k: Array, v: Array, visible: Array, scale: float) -> Array
 
 
 def paged_attention_reference(
-    q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_table: Array,
-    *, scale: float | None = None,
+    q: Array,
+    k_pages: Array,
+    v_pages: Array,
+    lengths: Array,
+    page_table: Array,
+    *,
+    scale: float | None = None,
 ) -> Array:
     """Decode attention, pure jnp. Shapes: module docstring. Returns [B, Hq, D]."""
     d = q.shape[-1]
@@ -74,8 +79,14 @@ def paged_attention_reference(
 
 
 def paged_attention_prefill(
-    q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_table: Array,
-    q_positions: Array, *, scale: float | None = None,
+    q: Array,
+    k_pages: Array,
+    v_pages: Array,
+    lengths: Array,
+    page_table: Array,
+    q_positions: Array,
+    *,
+    scale: float | None = None,
 ) -> Array:
     """Multi-token (prefill / chunked decode) attention against the cache, pure jnp.
 
@@ -121,8 +132,14 @@ def _pallas_gpu(q, k_pages, v_pages, lengths, page_table, interpret: bool) -> Ar
     k_splits = _largest_divisor_at_most(m, 16)
     ppcb = _largest_divisor_at_most(m // k_splits, 8)
     return kernel(
-        q, k_pages, v_pages, page_table, lengths,
-        k_splits=k_splits, pages_per_compute_block=ppcb, interpret=interpret,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        lengths,
+        k_splits=k_splits,
+        pages_per_compute_block=ppcb,
+        interpret=interpret,
     )
 
 
@@ -138,16 +155,25 @@ def resolve_impl(impl: Impl, interpret: bool = False) -> str:
             return "pallas_gpu"
         if interpret:
             return "pallas_tpu"
-        raise ValueError(f"no Pallas paged-attention kernel for backend {backend!r}; "
-                         "use impl='reference' or interpret=True")
+        raise ValueError(
+            f"no Pallas paged-attention kernel for backend {backend!r}; "
+            "use impl='reference' or interpret=True"
+        )
     if impl not in ("reference", "pallas_tpu", "pallas_gpu"):
         raise ValueError(f"unknown impl {impl!r}")
     return impl
 
 
 def paged_attention(
-    q: Array, k_pages: Array, v_pages: Array, lengths: Array, page_table: Array,
-    *, scale: float | None = None, impl: Impl = "auto", interpret: bool = False,
+    q: Array,
+    k_pages: Array,
+    v_pages: Array,
+    lengths: Array,
+    page_table: Array,
+    *,
+    scale: float | None = None,
+    impl: Impl = "auto",
+    interpret: bool = False,
 ) -> Array:
     """Decode attention of one query per sequence over its paged cache.
 

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from tppo_jax.kernels import paged_attention as pa
+
 from tppo_jax.rollout import pages
 
 PS = 4
@@ -88,8 +88,9 @@ def test_prefill_matches_dense_causal_and_decode():
             if qpos[i, t] < 0:
                 assert np.all(out[i, t] == 0)
                 continue
-            want = dense_attention(q[i : i + 1, t], k[i : i + 1], v[i : i + 1],
-                                   [qpos[i, t] + 1], d**-0.5)
+            want = dense_attention(
+                q[i : i + 1, t], k[i : i + 1], v[i : i + 1], [qpos[i, t] + 1], d**-0.5
+            )
             np.testing.assert_allclose(out[i, t], want[0], atol=2e-5)
     # The last query of a prefill chunk equals the decode kernel's answer.
     dec = pa.paged_attention(q[:, -1], kp, vp, lens, table, impl="reference")

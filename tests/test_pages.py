@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from tppo_jax.rollout import pages
 
-N, S, M, PS = 12, 5, 4, 4  # pages, slots, max pages per slot, page size
+N, S, M, PS = 8, 5, 4, 4  # pages, slots, max pages per slot, page size
 
 
 def check_invariants(state: pages.PageState) -> None:
@@ -89,6 +89,11 @@ def test_share_prefix_partial_tail_and_write_guard():
     kp2, _ = pages.write_kv(kp, kp, st2, jnp.array([2]), jnp.array([[1, 5]]), bad, bad)
     assert slot_contents(kp2, st2, 0) == [1, 2, 3, 4, 5, 6]
     assert slot_contents(kp2, st2, 2) == [1, 2, 3, 4, 5, 99]
+    # Reprefill may rewrite the shared prompt page explicitly; every holder then sees it.
+    kp3, _ = pages.write_kv(
+        kp2, kp2, st2, jnp.array([0]), jnp.array([[1]]), bad[:, :1], bad[:, :1], allow_shared=True
+    )
+    assert all(slot_contents(kp3, st2, s)[1] == 99 for s in range(4))
     # Freeing the source keeps the shared page alive for the samples.
     st3 = pages.free(st2, pages.slots_to_mask([0], S))
     assert int(st3.refcount[full_page]) == 3
@@ -133,7 +138,7 @@ _copy = jax.jit(pages.copy_pages)
 
 mask_st = st.lists(st.booleans(), min_size=S, max_size=S)
 op_st = st.one_of(
-    st.tuples(st.just("extend"), mask_st, st.lists(st.integers(0, 7), min_size=S, max_size=S)),
+    st.tuples(st.just("extend"), mask_st, st.lists(st.integers(0, 8), min_size=S, max_size=S)),
     st.tuples(st.just("share"), st.integers(0, S - 1), mask_st),
     st.tuples(st.just("free"), mask_st),
 )
@@ -155,18 +160,33 @@ def test_random_op_sequences_keep_invariants(ops):
             free_before = int(pages.num_free_pages(state))
             state, ok = _alloc(state, mask, ntok)
             ok = np.asarray(ok)
-            need = np.asarray(pages.extra_pages_needed(pages.PageState(
-                jnp.asarray(before_table), jnp.asarray(before_rc), jnp.asarray(old_len), PS),
-                mask, ntok))
-            # Failures happen only for lack of pages/table room, and leave the slot alone.
-            assert sum(need[ok & np.array(op[1])]) <= free_before
-            T = 8
+            need = np.asarray(
+                pages.extra_pages_needed(
+                    pages.PageState(
+                        jnp.asarray(before_table), jnp.asarray(before_rc), jnp.asarray(old_len), PS
+                    ),
+                    mask,
+                    ntok,
+                )
+            )
+            # Failures happen only for lack of table room or pages (served in slot order).
+            m = np.array(op[1])
+            assert sum(need[ok & m]) <= free_before
+            fits = -(-(old_len + np.array(op[2])) // PS) <= M
+            demand = np.cumsum(np.where(m & fits, need, 0))  # in-order page demand
+            for s in np.flatnonzero(m):
+                should = fits[s] and (need[s] == 0 or demand[s] <= free_before)
+                assert ok[s] == should, (s, need, demand, free_before)
+                if not ok[s]:
+                    assert (np.asarray(state.page_table)[s] == before_table[s]).all()
+            T = 9
             pos = old_len[:, None] + np.arange(T)[None]
-            valid = (np.arange(T)[None] < np.asarray(ntok)[:, None]) & (np.array(op[1]) & ok)[:, None]
+            admitted = np.array(op[1]) & ok
+            valid = (np.arange(T)[None] < np.asarray(ntok)[:, None]) & admitted[:, None]
             vals = counter + np.arange(S * T, dtype=np.float32).reshape(S, T)
             counter += S * T
             kv = jnp.asarray(vals)[:, :, None, None]
-            kp, _ = _write(kp, kp, state, jnp.arange(S), jnp.asarray(pos), kv, kv, jnp.asarray(valid))
+            kp, _ = _write(kp, kp, state, jnp.arange(S), pos, kv, kv, jnp.asarray(valid))
             for s in range(S):
                 expect[s] += [float(x) for x in vals[s][valid[s]]]
         elif op[0] == "share":

@@ -62,16 +62,31 @@ def test_per_slot_parameters():
 
 
 @pytest.mark.parametrize(
-    "temperature,top_p,top_k",
-    [(1.0, 1.0, 0), (1.0, 1.0, 3), (1.0, 0.7, 0), (0.7, 0.9, 5), (1.5, 0.5, 4)],
+    "temperature,top_p,top_k,candidates",
+    [
+        (1.0, None, None, None),  # truncation statically off: no sort
+        (1.0, 1.0, 0, None),  # truncation off at run time
+        (1.0, 1.0, 3, None),
+        (1.0, 0.7, 0, None),
+        (0.7, 0.9, 5, None),
+        (1.5, 0.5, 4, None),
+        (1.0, 0.6, 0, 5),  # nucleus (3 tokens) fits in 5 candidates: exact
+        (0.8, 0.95, 3, 4),
+    ],
 )
-def test_empirical_frequencies_match_truncated_distribution(temperature, top_p, top_k):
+def test_empirical_frequencies_match_truncated_distribution(temperature, top_p, top_k, candidates):
     n = 20000
     logits = jnp.broadcast_to(jnp.asarray(LOGITS), (n, LOGITS.size))
-    tok, lp = sample_jit(logits, jax.random.key(7), temperature=temperature, top_p=top_p,
-                         top_k=top_k)
+    tok, lp = jax.jit(sampling.sample, static_argnames="candidates")(
+        logits,
+        jax.random.key(7),
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        candidates=candidates,
+    )
     tok = np.asarray(tok)
-    expected = truncated_dist(LOGITS, temperature, top_p, top_k)
+    expected = truncated_dist(LOGITS, temperature, top_p or 1.0, top_k or 0)
     counts = np.bincount(tok, minlength=LOGITS.size)
     assert counts[expected == 0].sum() == 0, "sampled a token outside the truncated support"
     sup = expected > 0
@@ -113,5 +128,5 @@ def test_rng_forms_and_slot_keys_independent_of_batch():
 
 def test_truncation_mask_keeps_top_token_even_for_tiny_top_p():
     logits = jnp.asarray(LOGITS)[None]
-    order, keep = sampling.truncation_mask(logits, top_p=1e-6, top_k=0)
+    order, _, keep = sampling.truncation_mask(logits, top_p=1e-6, top_k=0)
     assert int(keep.sum()) == 1 and int(order[0, 0]) == int(jnp.argmax(logits))

@@ -128,7 +128,8 @@ def _as_text(value: Any, name: str, *, allow_chat: bool = False) -> str:
         parts = []
         for m in value:
             if not isinstance(m, Mapping) or not isinstance(m.get("content"), str):
-                raise ValueError(f"field {name!r}: chat message without string 'content'")
+                raise ValueError(f"field {name!r} is a list but not of chat messages with "
+                                 "string 'content' (expected str or chat messages)")
             if m.get("role", "user") == "user":
                 parts.append(m["content"])
         value = "\n".join(parts)

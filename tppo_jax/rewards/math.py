@@ -107,6 +107,24 @@ def _worker_main(conn: Connection, require_boxed: bool, mv_timeout_s: int | None
 
 
 # ---------------------------------------------------------------------------------- the pool
+def _context(name: str | None) -> Any:
+    """The multiprocessing context for workers.
+
+    forkserver is preferred: its server process imports math-verify once, so a replacement for
+    a killed or recycled worker is a cheap fork (~tens of ms) instead of a ~1 s cold spawn that
+    would stall the batch. The server is exec'd fresh, so it holds no JAX/thread state.
+    """
+    if name is None:
+        name = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    if name == "fork":
+        raise ValueError("mp_context='fork' is unsafe with JAX threads; use forkserver or spawn")
+    ctx = mp.get_context(name)
+    if name == "forkserver":
+        # Ignored if the forkserver already runs (then it was started by an earlier grader).
+        ctx.set_forkserver_preload(["tppo_jax.rewards.math", "math_verify"])
+    return ctx
+
+
 @dataclass
 class _Worker:
     proc: Any  # multiprocessing.Process from the chosen context
@@ -141,7 +159,8 @@ class MathGrader:
       error_reward: reward for ``timeout``/``crash`` items.
       require_boxed: grade only the last ``\\boxed{}`` (see :func:`grade_one`).
       mv_timeout_s: math-verify's inner timeout in whole seconds (None: off).
-      mp_context: ``"spawn"`` or ``"forkserver"`` (never fork: the parent runs JAX threads).
+      mp_context: ``"forkserver"`` (default where available) or ``"spawn"``; never ``fork``,
+        the parent runs JAX threads.
       startup_timeout_s: how long the constructor waits for the pre-warmed workers.
     """
 
@@ -158,7 +177,7 @@ class MathGrader:
         error_reward: float = 0.0,
         require_boxed: bool = True,
         mv_timeout_s: int | None = 1,
-        mp_context: str = "spawn",
+        mp_context: str | None = None,
         startup_timeout_s: float = 60.0,
     ) -> None:
         if num_workers < 0 or item_timeout_s <= 0 or batch_deadline_s <= 0:
@@ -178,16 +197,19 @@ class MathGrader:
         }
         self.require_boxed = require_boxed
         self.mv_timeout_s = mv_timeout_s
-        self._ctx = mp.get_context(mp_context)
+        self._ctx = _context(mp_context)
+        self._startup_timeout_s = startup_timeout_s
         # Lifetime counters, for logs and tests.
         self.stats = {"started": 0, "recycled": 0, "killed": 0, "died": 0}
         self._workers: list[_Worker] = []
         self._retired: list[Any] = []
         self._closed = False
+        self._startup_failures = 0
         for _ in range(num_workers):
             self._workers.append(self._spawn())
-        if num_workers:
-            self._wait_ready(startup_timeout_s)
+        if num_workers and not self._wait_warm(startup_timeout_s, every=True):
+            self.close()
+            raise TimeoutError("grading workers did not start in time")
 
     # -------------------------------------------------------------------- worker management
     def _spawn(self) -> _Worker:
@@ -203,8 +225,9 @@ class MathGrader:
     def _replace(self, i: int, *, kill: bool) -> None:
         w = self._workers[i]
         if kill:
+            if w.proc.is_alive():  # a dead worker is counted under "died" by the caller
+                self.stats["killed"] += 1
             w.proc.kill()
-            self.stats["killed"] += 1
         else:
             with contextlib.suppress(OSError):  # graceful: the worker exits after its loop
                 w.conn.send(None)
@@ -215,28 +238,22 @@ class MathGrader:
 
     def _reap(self) -> None:
         """Join finished retired processes without blocking."""
-        alive = []
         for p in self._retired:
             p.join(timeout=0)
-            if p.is_alive():
-                alive.append(p)
-        self._retired = alive
+        self._retired = [p for p in self._retired if p.is_alive()]
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_warm(self, timeout_s: float, *, every: bool) -> bool:
+        """Wait until every (or any) worker is warm; dead ones are replaced meanwhile."""
         end = time.monotonic() + timeout_s
-        while not all(w.ready for w in self._workers):
+        while not (all if every else any)(w.ready for w in self._workers):
             left = end - time.monotonic()
             if left <= 0:
-                raise TimeoutError("grading workers did not start in time")
-            waiting = [w.conn for w in self._workers if not w.ready]
-            for conn in wait(waiting, timeout=left):
-                i = next(k for k, w in enumerate(self._workers) if w.conn is conn)
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError) as e:
-                    raise RuntimeError("a grading worker died during start-up") from e
-                if msg[0] == "ready":
-                    self._workers[i].ready = True
+                return False
+            if self._startup_failures > 3 * self.num_workers:  # broken env: fail loudly
+                raise RuntimeError("grading workers keep dying during start-up")
+            for conn in wait([w.conn for w in self._workers], timeout=left):
+                self._on_message(conn, [])
+        return True
 
     def worker_pids(self) -> list[int | None]:
         """PIDs of the current workers (for monitoring and tests)."""
@@ -250,6 +267,14 @@ class MathGrader:
             raise ValueError(f"{len(completions)} completions vs {len(answers)} answers")
         if self._closed:
             raise RuntimeError("MathGrader is closed")
+        for i, w in enumerate(self._workers):  # replace workers that died while idle
+            if w.task is None and not w.proc.is_alive():
+                self.stats["died"] += 1
+                self._replace(i, kill=False)
+        if self.num_workers and completions and not any(w.ready for w in self._workers):
+            # Every worker is being replaced (e.g. after a deadline kill): start-up time is not
+            # grading time, so wait for one warm worker before the batch clock starts.
+            self._wait_warm(self._startup_timeout_s, every=False)
         t0 = time.monotonic()
         if self.num_workers == 0:
             reasons = [self._grade_inline(c, a) for c, a in zip(completions, answers, strict=True)]
@@ -312,6 +337,7 @@ class MathGrader:
         except (EOFError, OSError):  # the worker process died (segfault, OOM kill, ...)
             if w.task is not None:
                 reasons[w.task] = "crash"
+            self._startup_failures += not w.ready
             self.stats["died"] += 1
             self._replace(i, kill=True)
             return
@@ -342,8 +368,11 @@ class MathGrader:
             return
         self._closed = True
         for w in self._workers:
-            with contextlib.suppress(OSError):
-                w.conn.send(None)
+            if w.ready:  # a warm worker exits on None; one still importing is just killed
+                with contextlib.suppress(OSError):
+                    w.conn.send(None)
+            else:
+                w.proc.kill()
             w.conn.close()
         for p in [w.proc for w in self._workers] + self._retired:
             p.join(timeout=1.0)

@@ -104,9 +104,7 @@ def extra_pages_needed(state: PageState, slot_mask: Array, num_tokens: Array | i
     return jnp.where(slot_mask, jnp.maximum(want - pages_held(state), 0), 0)
 
 
-def reserve(
-    state: PageState, slot_mask: Array, num_tokens: Array | int
-) -> tuple[PageState, Array]:
+def reserve(state: PageState, slot_mask: Array, num_tokens: Array | int) -> tuple[PageState, Array]:
     """Ensure each masked slot has room for `num_tokens` more tokens; slot_len is unchanged.
 
     Args:
@@ -115,8 +113,9 @@ def reserve(
     Returns:
       (state, ok [S] bool). ok is True for unmasked slots and for masked slots that got their
       pages. A masked slot fails (state untouched for it) if it would exceed max_pages_per_slot,
-      or if the pool runs out before it (slots are served in order, so failures are a suffix of
-      the slots that fit the table).
+      or if the pool runs out before it: slots are served in slot order and, among the slots
+      that need new pages and fit the table, the admitted ones are a prefix (once one fails,
+      every later one does too). Slots needing no new page always succeed.
     """
     slot_mask = jnp.asarray(slot_mask, bool)
     num_tokens = jnp.broadcast_to(jnp.asarray(num_tokens, jnp.int32), slot_mask.shape)
@@ -125,7 +124,8 @@ def reserve(
     fits_table = want <= state.max_pages_per_slot
     need = jnp.where(slot_mask & fits_table, jnp.maximum(want - held, 0), 0)
     end = jnp.cumsum(need)  # inclusive offsets into the free list
-    admitted = slot_mask & fits_table & (end <= num_free_pages(state))
+    # Zero-need slots always succeed; among the rest, admission is a prefix in slot order.
+    admitted = slot_mask & fits_table & ((need == 0) | (end <= num_free_pages(state)))
     need = jnp.where(admitted, need, 0)
     start = jnp.cumsum(need) - need
 
@@ -251,6 +251,8 @@ def write_kv(
     k: Array,
     v: Array,
     valid: Array | None = None,
+    *,
+    allow_shared: bool = False,
 ) -> tuple[Array, Array]:
     """Scatter new K/V into the pool at (slot, position).
 
@@ -260,10 +262,13 @@ def write_kv(
       positions: [B, T] int32 token positions within the slot (negative = padding).
       k, v: [B, T, Hkv, D] new keys / values.
       valid: optional [B, T] bool; False entries are not written.
+      allow_shared: static; permit writes into shared pages. Only for `kv_policy: reprefill`,
+        where the shared prompt is recomputed under new weights and every holder gets the same
+        K/V (write it once, from one holder).
     Returns:
       Updated (k_pages, v_pages). Writes are dropped where the position has no page reserved,
-      and where the page is shared (refcount > 1): shared prompt pages are immutable, so a bad
-      position can never corrupt another sample's prefix.
+      and (unless allow_shared) where the page is shared (refcount > 1): shared prompt pages
+      are immutable, so a bad position can never corrupt another sample's prefix.
     """
     ps, n = state.page_size, state.num_pages
     positions = jnp.asarray(positions, jnp.int32)
@@ -271,7 +276,8 @@ def write_kv(
     in_range = (positions >= 0) & (col < state.max_pages_per_slot)
     page = state.page_table[slots[:, None], jnp.clip(col, 0, state.max_pages_per_slot - 1)]
     ok = in_range & (page >= 0)
-    ok &= state.refcount[jnp.clip(page, 0, n - 1)] == 1
+    if not allow_shared:
+        ok &= state.refcount[jnp.clip(page, 0, n - 1)] == 1
     if valid is not None:
         ok &= valid
     page = jnp.where(ok, page, n)  # out of range -> dropped

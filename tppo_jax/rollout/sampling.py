@@ -46,31 +46,47 @@ def _row(x: ArrayOrScalar, b: int, dtype: jnp.dtype) -> Array:
 
 
 def truncation_mask(
-    scaled_logits: Array, top_p: ArrayOrScalar = 1.0, top_k: ArrayOrScalar = 0
-) -> tuple[Array, Array]:
+    scaled_logits: Array,
+    top_p: ArrayOrScalar = 1.0,
+    top_k: ArrayOrScalar = 0,
+    candidates: int | None = None,
+) -> tuple[Array, Array, Array]:
     """Which tokens survive top-k then top-p, in descending-logit order.
 
     Args:
       scaled_logits: [B, V] f32 (already divided by temperature).
       top_p: scalar or [B]; top_k: scalar or [B] int (<= 0 = off).
+      candidates: static C; if set, only the C most likely tokens are considered (lax.top_k
+        instead of a full sort: exact when the top-k / nucleus set fits in C tokens).
     Returns:
-      (order [B, V] int32 token ids sorted by descending logit, keep [B, V] bool over that order).
+      order [B, C] int32 token ids by descending logit (C = V without `candidates`),
+      sorted_logits [B, C], keep [B, C] bool over that order.
     """
     b, vocab = scaled_logits.shape
     top_p = _row(top_p, b, jnp.float32)
     top_k = _row(top_k, b, jnp.int32)
-    # Stable sort of negated logits: descending, ties broken by lower token id.
-    order = jnp.argsort(-scaled_logits, axis=-1, stable=True).astype(jnp.int32)
-    sorted_logits = jnp.take_along_axis(scaled_logits, order, axis=-1)
-    rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
-    k_eff = jnp.where((top_k <= 0) | (top_k > vocab), vocab, top_k)
-    keep = rank < k_eff[:, None]
+    if candidates is not None and candidates < vocab:
+        sorted_logits, order = jax.lax.top_k(scaled_logits, candidates)
+    else:
+        # Stable sort of negated logits: descending, ties broken by lower token id.
+        order = jnp.argsort(-scaled_logits, axis=-1, stable=True)
+        sorted_logits = jnp.take_along_axis(scaled_logits, order, axis=-1)
+    order = order.astype(jnp.int32)
+    width = order.shape[-1]
+    rank = jnp.arange(width, dtype=jnp.int32)[None, :]
+    k_on = (top_k > 0) & (top_k <= width)
+    keep = rank < jnp.where(k_on, top_k, width)[:, None]
     # Nucleus on the renormalized top-k distribution: keep a token if the mass strictly before
     # it is < top_p (so the token that crosses top_p is included, and rank 0 always is).
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    # Without an active top-k the mass is against the full softmax, so dropping the tail
+    # beyond `candidates` cannot inflate top_p.
+    norm_k = jax.nn.logsumexp(jnp.where(keep, sorted_logits, -jnp.inf), -1, keepdims=True)
+    norm_full = jax.nn.logsumexp(scaled_logits, axis=-1, keepdims=True)
+    norm = jnp.where(k_on[:, None], norm_k, norm_full)
+    probs = jnp.where(keep, jnp.exp(sorted_logits - norm), 0.0)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep &= (mass_before < top_p[:, None]) | (rank == 0)
-    return order, keep
+    return order, sorted_logits, keep
 
 
 def sample(
@@ -78,9 +94,10 @@ def sample(
     rng: Array,
     *,
     temperature: ArrayOrScalar = 1.0,
-    top_p: ArrayOrScalar = 1.0,
-    top_k: ArrayOrScalar = 0,
+    top_p: ArrayOrScalar | None = None,
+    top_k: ArrayOrScalar | None = None,
     greedy: ArrayOrScalar = False,
+    candidates: int | None = None,
 ) -> tuple[Array, Array]:
     """Sample one token per row.
 
@@ -88,7 +105,10 @@ def sample(
       logits: [B, V] (any float dtype; computed in f32).
       rng: one key (split into B) or [B] keys (e.g. from `slot_keys`).
       temperature, top_p, top_k, greedy: scalars or [B] per-slot arrays. temperature 0 or
-        greedy=True -> argmax.
+        greedy=True -> argmax. top_p=None and top_k=None (static) skip truncation entirely,
+        avoiding the [B, V] sort; top_p=1.0 / top_k=0 disable them per row at run time.
+      candidates: static; restrict truncation to the C most likely tokens (see
+        `truncation_mask`). Ignored when truncation is statically off.
     Returns:
       tokens [B] int32, logprobs [B] f32 = log_softmax(logits / temperature)[token]
       (untruncated; see module docstring).
@@ -101,13 +121,17 @@ def sample(
     t = jnp.where(is_greedy, 1.0, temperature)
     scaled = logits / t[:, None]
     logp_full = jax.nn.log_softmax(scaled, axis=-1)
-
-    order, keep = truncation_mask(scaled, top_p, top_k)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
     keys = _per_row_keys(rng, b)
-    choice = jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, masked)
-    sampled = jnp.take_along_axis(order, choice[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    draw = jax.vmap(jax.random.categorical)
+
+    if top_p is None and top_k is None:
+        sampled = draw(keys, scaled).astype(jnp.int32)
+    else:
+        order, sorted_logits, keep = truncation_mask(
+            scaled, 1.0 if top_p is None else top_p, 0 if top_k is None else top_k, candidates
+        )
+        choice = draw(keys, jnp.where(keep, sorted_logits, -jnp.inf)).astype(jnp.int32)
+        sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
 
     tokens = jnp.where(is_greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
     logprobs = jnp.take_along_axis(logp_full, tokens[:, None], axis=-1)[:, 0]

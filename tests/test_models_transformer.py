@@ -1,0 +1,139 @@
+"""Decoder forward: shapes, causality, right padding, RoPE scaling, dtypes, value model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tppo_jax.models.transformer import ModelConfig, Transformer, apply_rope, rope_inv_freq
+from tppo_jax.models.value import ValueModel
+
+V = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Transformer(ModelConfig.tiny(vocab_size=V), rngs=nnx.Rngs(0))
+
+
+def _tokens(b=2, t=12, seed=1):
+    return jax.random.randint(jax.random.key(seed), (b, t), 0, V)
+
+
+def test_tiny_preset_size_and_shapes(model):
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    full = sum(x.size for x in jax.tree.leaves(
+        nnx.state(Transformer(ModelConfig.tiny(), rngs=nnx.Rngs(0)), nnx.Param)))
+    assert 0.6e6 < full < 1.0e6, full
+    assert n < full
+    logits = model(_tokens())
+    assert logits.shape == (2, 12, V) and logits.dtype == jnp.float32
+    assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_hidden_states_and_head_compose(model):
+    tok = _tokens()
+    h = model.hidden_states(tok)
+    assert h.shape == (2, 12, 128)
+    np.testing.assert_allclose(model.logits_from_hidden(h), model(tok), atol=1e-6)
+    assert model.lm_head_weight().shape == (128, V)
+
+
+def test_causal(model):
+    tok = _tokens()
+    tok2 = tok.at[:, 8:].set((tok[:, 8:] + 1) % V)
+    a, b = model(tok), model(tok2)
+    np.testing.assert_allclose(a[:, :8], b[:, :8], atol=1e-6)
+    assert np.abs(np.asarray(a[:, 8:] - b[:, 8:])).max() > 1e-4
+
+
+def test_right_padding_does_not_change_valid_logits(model):
+    tok = _tokens(1, 7)
+    padded = jnp.concatenate([tok, jnp.zeros((1, 5), tok.dtype)], axis=1)
+    mask = jnp.array([[1] * 7 + [0] * 5])
+    np.testing.assert_allclose(model(padded, attention_mask=mask)[:, :7], model(tok),
+                               atol=1e-5)
+
+
+def test_jit_matches_eager(model):
+    tok = _tokens()
+    np.testing.assert_allclose(nnx.jit(lambda m, t: m(t))(model, tok), model(tok), atol=1e-5)
+
+
+def test_positions_only_shift_rope():
+    # RoPE is relative: shifting every position by a constant leaves attention unchanged.
+    cfg = ModelConfig.tiny(vocab_size=V)
+    m = Transformer(cfg, rngs=nnx.Rngs(3))
+    tok = _tokens(1, 9)
+    pos = jnp.arange(9)[None]
+    np.testing.assert_allclose(m(tok, positions=pos + 37), m(tok, positions=pos), atol=1e-4)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},
+])
+def test_rope_scaling(scaling):
+    base = ModelConfig.tiny(vocab_size=V)
+    cfg = ModelConfig.tiny(vocab_size=V, rope_scaling=scaling)
+    inv0, inv = np.asarray(rope_inv_freq(base)), np.asarray(rope_inv_freq(cfg))
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        np.testing.assert_allclose(inv, inv0 / factor, rtol=1e-6)
+    else:
+        assert inv[0] == inv0[0]  # highest frequency untouched
+        np.testing.assert_allclose(inv[-1], inv0[-1] / factor, rtol=1e-6)
+        assert np.all(inv <= inv0 + 1e-12) and np.all(inv >= inv0 / factor - 1e-12)
+    assert cfg.rope_scaling_dict == scaling
+    hash(cfg)  # hashable: usable as static metadata
+
+
+def test_rope_is_rotation():
+    x = jax.random.normal(jax.random.key(0), (1, 5, 2, 32))
+    pos = jnp.arange(5)[None]
+    y = apply_rope(x, pos, rope_inv_freq(ModelConfig.tiny()))
+    np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1),
+                               rtol=1e-5)
+
+
+def test_untied_and_no_bias_and_bf16():
+    cfg = ModelConfig.tiny(vocab_size=V, tie_embeddings=False, qkv_bias=False, dtype="bfloat16")
+    m = Transformer(cfg, rngs=nnx.Rngs(0))
+    assert m.lm_head[...].dtype == jnp.bfloat16 and not hasattr(m.backbone.layers[0].attn,
+                                                                "q_bias")
+    logits = m(_tokens())
+    assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="multiple"):
+        ModelConfig.tiny(num_kv_heads=3)
+
+
+def test_value_model_from_policy_is_separate(model):
+    vm = ValueModel.from_policy(model)
+    tok = _tokens()
+    values = vm(tok)
+    assert values.shape == (2, 12) and values.dtype == jnp.float32
+    np.testing.assert_allclose(values, 0.0)  # zero head: neutral critic
+    np.testing.assert_allclose(vm.backbone(tok), model.hidden_states(tok), atol=1e-6)
+    # Distinct buffers: editing the critic's backbone leaves the policy alone.
+    w = vm.backbone.layers[0].mlp.up
+    assert w[...].unsafe_buffer_pointer() != model.backbone.layers[0].mlp.up[...] \
+        .unsafe_buffer_pointer()
+    w.set_value(w[...] + 1.0)
+    np.testing.assert_allclose(vm.backbone(tok)[0, 0] * 0 + model.hidden_states(tok)[0, 0],
+                               model.hidden_states(tok)[0, 0])
+    assert not np.allclose(vm.backbone(tok), model.hidden_states(tok), atol=1e-3)
+
+
+def test_value_model_own_init_and_grad():
+    cfg = ModelConfig.tiny(vocab_size=V)
+    vm = ValueModel(cfg, rngs=nnx.Rngs(1), head_init_std=0.02)
+    tok = _tokens()
+    mask = jnp.array([[1] * 12, [1] * 6 + [0] * 6])
+    grads = nnx.grad(lambda m: jnp.sum(m(tok, attention_mask=mask) ** 2))(vm)
+    g = grads.head[...]
+    assert g.shape == (128,) and np.abs(np.asarray(g)).max() > 0

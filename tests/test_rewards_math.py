@@ -1,0 +1,137 @@
+"""Math grading pool: correctness, reasons, deadlines, killed/crashed/recycled workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from tppo_jax.rewards.math import MathGrader, grade_one, overlong_penalty
+
+HANG = r"so \boxed{9^{9^{9^{9^9}}}}"  # sympy would try to build this integer forever
+
+
+@pytest.fixture(scope="module")
+def grader() -> Iterator[MathGrader]:
+    with MathGrader(num_workers=2, item_timeout_s=2.0, batch_deadline_s=30.0) as g:
+        yield g
+
+
+def test_reasons_and_rewards(grader: MathGrader) -> None:
+    comps = [
+        r"12 + 7 = 19" "\n" r"\boxed{19}",  # correct
+        r"\boxed{18}",  # wrong
+        "The answer is 19.",  # right number, wrong format
+        r"$\boxed{0.5}$",  # latex-equivalent
+        r"\boxed{\frac{2}{4}}",
+        r"first \boxed{3} then \boxed{19}",  # the last box counts
+        r"\boxed{}",  # empty box
+        r"\boxed{9^9^9^9^9}",  # huge but computable: simply wrong
+    ]
+    answers = ["19", "19", "19", r"\frac{1}{2}", "0.5", "19", "19", "3"]
+    r = grader.grade(comps, answers)
+    assert r.reasons == ["ok", "wrong", "no_answer", "ok", "ok", "ok", "no_answer", "wrong"]
+    assert r.rewards.dtype == np.float32 and r.correct.dtype == bool
+    np.testing.assert_array_equal(r.rewards, [1, 0, 0, 1, 1, 1, 0, 0])
+    assert r.counts == {"ok": 4, "wrong": 2, "no_answer": 2, "timeout": 0, "crash": 0}
+
+
+def test_batch_of_64_is_fast(grader: MathGrader) -> None:
+    comps = [rf"... \boxed{{{i}}}" for i in range(64)]
+    answers = [str(i if i % 2 else i + 1) for i in range(64)]
+    t0 = time.monotonic()
+    r = grader.grade(comps, answers)
+    assert time.monotonic() - t0 < 2.0
+    assert r.counts["ok"] == 32 and r.counts["wrong"] == 32
+    assert grader.grade([], []).rewards.shape == (0,)
+
+
+def test_pathological_answer_times_out_inside_deadline(grader: MathGrader) -> None:
+    t0 = time.monotonic()
+    r = grader.grade([HANG, r"\boxed{3}"], ["3", "3"])
+    assert time.monotonic() - t0 < 4.0
+    assert r.reasons == ["timeout", "ok"] and r.rewards[0] == 0.0
+
+
+def test_hung_worker_is_killed_and_replaced() -> None:
+    # Inner math-verify timeout off: only the pool's kill can end the item.
+    with MathGrader(num_workers=2, item_timeout_s=1.0, mv_timeout_s=None) as g:
+        t0 = time.monotonic()
+        r = g.grade([HANG, r"\boxed{1}", r"\boxed{2}"], ["3", "1", "2"])
+        assert time.monotonic() - t0 < 3.0
+        assert r.reasons == ["timeout", "ok", "ok"]
+        assert g.stats["killed"] == 1 and g.stats["started"] == 3
+        assert g.grade([r"\boxed{5}"] * 4, ["5"] * 4).counts["ok"] == 4  # pool still healthy
+
+
+def test_batch_deadline_bounds_the_call() -> None:
+    with MathGrader(num_workers=2, item_timeout_s=30.0, batch_deadline_s=1.5,
+                    mv_timeout_s=None) as g:
+        t0 = time.monotonic()
+        r = g.grade([HANG] * 5 + [r"\boxed{1}"], ["3"] * 5 + ["1"])
+        assert time.monotonic() - t0 < 3.0
+        assert r.counts["timeout"] == 6  # queued items behind the hung ones time out too
+        assert g.grade([r"\boxed{1}"], ["1"]).reasons == ["ok"]
+
+
+def test_crashed_worker_scores_zero_and_is_replaced() -> None:
+    with MathGrader(num_workers=2, item_timeout_s=20.0, mv_timeout_s=None) as g:
+        pids = g.worker_pids()
+        out: dict = {}
+        th = threading.Thread(target=lambda: out.setdefault("r", g.grade([HANG], ["3"])))
+        th.start()
+        time.sleep(0.5)
+        for pid in pids:  # simulate a segfault / OOM kill of the busy worker
+            os.kill(pid, signal.SIGKILL)
+        th.join(timeout=10)
+        assert out["r"].reasons == ["crash"] and out["r"].counts["crash"] == 1
+        assert g.grade([r"\boxed{2}", r"\boxed{3}"], ["2", "3"]).counts["ok"] == 2
+        assert set(g.worker_pids()).isdisjoint(pids)
+        assert g.stats["died"] == 2
+
+
+def test_workers_are_recycled() -> None:
+    with MathGrader(num_workers=1, max_tasks_per_child=3) as g:
+        first = g.worker_pids()
+        r = g.grade([rf"\boxed{{{i}}}" for i in range(7)], [str(i) for i in range(7)])
+        assert r.counts["ok"] == 7
+        assert g.stats["recycled"] == 2 and g.worker_pids() != first
+
+
+def test_reward_values_and_inline_mode() -> None:
+    g = MathGrader(num_workers=0, correct_reward=1.0, wrong_reward=-1.0, no_answer_reward=-1.0)
+    r = g.grade([r"\boxed{4}", r"\boxed{5}", "4"], ["4", "4", "4"])
+    np.testing.assert_array_equal(r.rewards, [1.0, -1.0, -1.0])
+    g.close()
+    with pytest.raises(RuntimeError):
+        g.grade([], [])
+    with pytest.raises(ValueError):
+        MathGrader(num_workers=0).grade(["a"], [])
+
+
+def test_grade_one_unboxed_mode() -> None:
+    assert grade_one("so the result is 42", "42", require_boxed=False) == "ok"
+    assert grade_one("so the result is 42", "42") == "no_answer"
+
+
+def test_overlong_penalty_matches_dapo() -> None:
+    lengths = np.array([10, 60, 75, 90, 100, 130])
+    got = overlong_penalty(lengths, max_len=100, buffer_len=40, penalty=1.0)
+    np.testing.assert_allclose(got, [0.0, 0.0, -0.375, -0.75, -1.0, -1.0])
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(overlong_penalty([80], 100, 40, penalty=0.5), [-0.25])
+    with pytest.raises(ValueError):
+        overlong_penalty([1], 10, 0)
+
+
+def test_spawn_context_and_fork_refused() -> None:
+    with MathGrader(num_workers=1, mp_context="spawn", max_tasks_per_child=2) as g:
+        r = g.grade([r"\boxed{1}", r"\boxed{2}", r"\boxed{\frac{1}{2}}"], ["1", "3", "0.5"])
+        assert r.reasons == ["ok", "wrong", "ok"] and g.stats["recycled"] == 1
+    with pytest.raises(ValueError):
+        MathGrader(num_workers=1, mp_context="fork")

@@ -1,0 +1,165 @@
+"""One ``Tokenizer`` over sentencepiece ``.model`` files and HF ``tokenizer.json`` files.
+
+Also holds the math prompt templates and ``train_sentencepiece`` for the tiny CPU default
+(a 128-piece BPE vocab trained on synthetic math text, digits split into single pieces so
+numbers tokenize compositionally).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterable, Sequence
+
+PROMPT_TEMPLATE = (
+    "Solve the following math problem. Reason step by step, and put your final answer "
+    "within \\boxed{{}}.\n\nProblem: {question}\n\nSolution:"
+)
+# Tiny models (128-piece vocab, short contexts) get a template that costs few tokens.
+SHORT_PROMPT_TEMPLATE = "Q: {question}\nA:"
+
+
+def format_prompt(question: str, *, short: bool = False) -> str:
+    """The math prompt: step-by-step reasoning, final answer in ``\\boxed{}``."""
+    template = SHORT_PROMPT_TEMPLATE if short else PROMPT_TEMPLATE
+    return template.format(question=question.strip())
+
+
+class Tokenizer:
+    """Backend-agnostic tokenizer; build it with ``Tokenizer.load(path)``.
+
+    Attributes:
+      bos_id / eos_id / pad_id: special ids (``None`` when the vocab has no such token;
+        ``pad_id`` falls back to ``eos_id`` so right padding always has a value).
+    """
+
+    def __init__(self, backend: str, impl: object, bos_id: int | None, eos_id: int | None,
+                 pad_id: int | None):
+        self.backend = backend
+        self._impl = impl
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.pad_id = pad_id if pad_id is not None else eos_id
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def load(cls, path: str | pathlib.Path) -> Tokenizer:
+        """From a sentencepiece ``.model``, a ``tokenizer.json``, or a directory with either."""
+        p = pathlib.Path(path)
+        if p.is_dir():
+            for name in ("tokenizer.json", "tokenizer.model", "spm.model"):
+                if (p / name).exists():
+                    return cls.load(p / name)
+            models = sorted(p.glob("*.model"))
+            if not models:
+                raise FileNotFoundError(f"{p}: no tokenizer.json or *.model file")
+            return cls.load(models[0])
+        if p.suffix == ".json":
+            return cls._from_hf(p)
+        return cls._from_sentencepiece(p)
+
+    @classmethod
+    def _from_sentencepiece(cls, path: pathlib.Path) -> Tokenizer:
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=str(path))
+        ids = [sp.bos_id(), sp.eos_id(), sp.pad_id()]
+        bos, eos, pad = (None if i < 0 else i for i in ids)
+        return cls("sentencepiece", sp, bos, eos, pad)
+
+    @classmethod
+    def _from_hf(cls, path: pathlib.Path) -> Tokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = HFTokenizer.from_file(str(path))
+        # Special tokens may be declared in a sibling tokenizer_config.json (HF layout);
+        # otherwise guess from common names.
+        names: dict[str, str | None] = {"bos": None, "eos": None, "pad": None}
+        cfg_file = path.parent / "tokenizer_config.json"
+        if cfg_file.exists():
+            cfg = json.loads(cfg_file.read_text())
+            for k in names:
+                v = cfg.get(f"{k}_token")
+                names[k] = v.get("content") if isinstance(v, dict) else v
+        guesses = {"bos": ["<s>", "<bos>", "<|begin_of_text|>", "<|endoftext|>"],
+                   "eos": ["</s>", "<eos>", "<|endoftext|>", "<|im_end|>", "<|end_of_text|>"],
+                   "pad": ["<pad>", "<|pad|>"]}
+        ids: dict[str, int | None] = {}
+        for k, name in names.items():
+            candidates = [name] if name else guesses[k]
+            ids[k] = next((tok.token_to_id(c) for c in candidates
+                           if tok.token_to_id(c) is not None), None)
+        return cls("hf", tok, ids["bos"], ids["eos"], ids["pad"])
+
+    # ------------------------------------------------------------------ interface
+    @property
+    def vocab_size(self) -> int:
+        if self.backend == "sentencepiece":
+            return self._impl.get_piece_size()
+        return self._impl.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        """Text -> ids (no specials unless asked, so prompt templates control them)."""
+        if self.backend == "sentencepiece":
+            ids = list(self._impl.encode(text))
+        else:
+            ids = list(self._impl.encode(text, add_special_tokens=False).ids)
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id] + ids
+        if add_eos and self.eos_id is not None:
+            ids = ids + [self.eos_id]
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], **kw: bool) -> list[list[int]]:
+        return [self.encode(t, **kw) for t in texts]
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+        """Ids -> text; bos/eos/pad are dropped when ``skip_special``."""
+        ids = [int(i) for i in ids]
+        if skip_special:
+            special = {self.bos_id, self.eos_id, self.pad_id} - {None}
+            ids = [i for i in ids if i not in special]
+        if self.backend == "sentencepiece":
+            return self._impl.decode(ids)
+        return self._impl.decode(ids, skip_special_tokens=skip_special)
+
+    def format_prompt(self, question: str, *, short: bool = False) -> str:
+        return format_prompt(question, short=short)
+
+
+def train_sentencepiece(
+    texts: Iterable[str],
+    model_prefix: str | pathlib.Path,
+    vocab_size: int = 128,
+    *,
+    model_type: str = "bpe",
+    character_coverage: float = 1.0,
+    user_symbols: Sequence[str] = ("\\boxed",),
+) -> Tokenizer:
+    """Trains a small sentencepiece model on ``texts``; writes ``{model_prefix}.model``.
+
+    Ids: pad=0, unk=1, bos=2, eos=3. Digits are split into single pieces; ``vocab_size`` is a
+    soft limit (``hard_vocab_limit=False``) so small corpora with few merges still train.
+    """
+    import sentencepiece as spm
+
+    prefix = pathlib.Path(model_prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([t for t in texts if t.strip()]),
+        model_prefix=str(prefix),
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=character_coverage,
+        split_digits=True,
+        # Identity normalisation keeps newlines and repeated spaces, so decode(encode(x)) == x
+        # for the prompt templates (the default NFKC rule maps "\n" to a space).
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        byte_fallback=False,
+        hard_vocab_limit=False,
+        pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+        user_defined_symbols=list(user_symbols),
+        minloglevel=2,
+    )
+    return Tokenizer.load(f"{prefix}.model")

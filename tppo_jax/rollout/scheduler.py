@@ -1,0 +1,227 @@
+"""TruncatedRolloutScheduler: successive batching over B constant decode slots (SPEC 5).
+
+Each ``step()``:
+1. fills empty slots with fresh prompts, G samples per prompt (continuations never
+   leave their slot, so they are "first" by construction);
+2. generates at most ``window`` new tokens in every slot (one jitted on-device call);
+3. marks rows finished (EOS, or the K-th window full, i.e. ``L`` response tokens);
+4. returns a ``RolloutBatch`` of every slot; the caller grades finished rows, trains,
+   then calls ``release_finished()`` so their slots take new prompts next step.
+
+The scheduler knows nothing about losses. With ``window >= L`` it is synchronous PPO:
+every row finishes in its first window, and the slot-steps spent waiting for the
+longest row are counted as idle.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from tppo_jax.data.readers import MathExample
+from tppo_jax.rollout.generate import SamplingParams, prefill_and_decode
+
+
+@dataclass
+class RolloutBatch:
+    """One step's rollout, every slot a row (``S = max_prompt_len + max_response_len``).
+
+    tokens: ``[B, S]`` prompt + all windows so far, right-padded with 0.
+    prompt_len: ``[B]``; window_start: ``[B]`` index of the first current-window token;
+    window_len: ``[B]`` tokens generated this window; total_len = window_start + window_len.
+    finished: ``[B]`` bool; window_index: ``[B]`` 0-based window of this row.
+    sample_logprobs: ``[B, S]`` log-prob of token ``t`` under the sampling policy (0 elsewhere).
+    policy_version: ``[B, S]`` int32 policy version that sampled token ``t`` (-1 for prompts).
+    group_id: ``[B]`` int64 id shared by the G samples of a prompt.
+    examples: the ``MathExample`` of each row; reward/correct are filled by the trainer.
+    """
+
+    tokens: np.ndarray
+    prompt_len: np.ndarray
+    window_start: np.ndarray
+    window_len: np.ndarray
+    finished: np.ndarray
+    window_index: np.ndarray
+    sample_logprobs: np.ndarray
+    policy_version: np.ndarray
+    group_id: np.ndarray
+    examples: list[MathExample]
+    reward: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    correct: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+
+    @property
+    def total_len(self) -> np.ndarray:
+        return self.window_start + self.window_len
+
+    def response_tokens(self, row: int) -> list[int]:
+        return self.tokens[row, self.prompt_len[row]:self.total_len[row]].tolist()
+
+
+@dataclass
+class SlotState:
+    """Host-side state of every slot; checkpointed with the trainer (numpy only)."""
+
+    tokens: np.ndarray  # [B, S]
+    prompt_len: np.ndarray  # [B]
+    total_len: np.ndarray  # [B]
+    windows_done: np.ndarray  # [B] windows generated so far
+    live: np.ndarray  # [B] bool: holds an unfinished sequence
+    sample_logprobs: np.ndarray  # [B, S]
+    policy_version: np.ndarray  # [B, S]
+    group_id: np.ndarray  # [B]
+    seq_id: np.ndarray  # [B] stable id per sequence (drives its RNG stream)
+    example_index: np.ndarray  # [B] index into `examples`
+
+    @classmethod
+    def empty(cls, b: int, s: int) -> SlotState:
+        z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
+        return cls(z(b, s), z(b), z(b), z(b), z(b, dt=bool), z(b, s, dt=np.float32),
+                   np.full((b, s), -1, np.int32), z(b, dt=np.int64), z(b, dt=np.int64),
+                   np.full(b, -1, np.int64))
+
+    def to_dict(self) -> dict[str, np.ndarray]:
+        return dict(self.__dict__)
+
+
+class TruncatedRolloutScheduler:
+    """B slots, window ``l``, max response ``L`` (``K = ceil(L / l)`` windows per sequence).
+
+    Args:
+      model: the policy (NNX ``Transformer``); replaced by ``set_policy`` after updates.
+      prompts: an iterator of ``MathExample``s (the data pipeline).
+      encode_prompt: ``MathExample -> list[int]`` prompt token ids.
+      slots: B; group_size: G samples per prompt.
+      kv_policy: ``keep`` reuses the cache computed under older weights; ``reprefill``
+        recomputes every continuing row's cache under the current weights (exact).
+    """
+
+    def __init__(self, model: nnx.Module, prompts: Iterator[MathExample],
+                 encode_prompt: Callable[[MathExample], list[int]], *, slots: int,
+                 group_size: int, max_prompt_len: int, max_response_len: int, window: int,
+                 eos_id: int, sampling: SamplingParams, kv_policy: Literal["keep", "reprefill"],
+                 seed: int = 0) -> None:
+        self.model = model
+        self.prompts = prompts
+        self.encode_prompt = encode_prompt
+        self.B, self.G = slots, group_size
+        self.P, self.L = max_prompt_len, max_response_len
+        self.window = min(window, max_response_len)
+        self.K = -(-max_response_len // self.window)
+        self.S = max_prompt_len + max_response_len
+        self.eos_id = eos_id
+        self.sampling = sampling
+        self.kv_policy = kv_policy
+        self.rng = jax.random.key(seed)
+        self.state = SlotState.empty(self.B, self.S)
+        self.examples: dict[int, MathExample] = {}
+        self.cache = model.init_cache(self.B, self.S)
+        self.policy_version = 0
+        self.step_count = 0
+        self._next_seq = 0
+        self._next_group = 0
+        self.stats: dict[str, float] = {"slot_steps": 0.0, "useful_tokens": 0.0}
+        self._force_prefill = False
+        self.pending: deque[int] = deque()
+
+    # ------------------------------------------------------------------ slot management
+    def set_policy(self, model: nnx.Module, version: int) -> None:
+        self.model = model
+        self.policy_version = version
+
+    def _admit(self) -> np.ndarray:
+        """Fills every free slot. Each fresh prompt enqueues G sample requests; requests
+        left over when slots run out wait for the next free slot (samples of a group finish
+        at different windows, so free slots rarely come in multiples of G). Returns the
+        rows that need a prefill."""
+        st = self.state
+        new_rows = np.zeros(self.B, bool)
+        for r in np.flatnonzero(~st.live):
+            if not self.pending:
+                ex = next(self.prompts)
+                gid = self._next_group
+                self._next_group += 1
+                self.examples[gid] = ex
+                self.pending.extend([gid] * self.G)
+            gid = self.pending.popleft()
+            ids = self.encode_prompt(self.examples[gid])[-self.P:]
+            st.tokens[r] = 0
+            st.tokens[r, :len(ids)] = ids
+            st.prompt_len[r] = st.total_len[r] = len(ids)
+            st.windows_done[r] = 0
+            st.live[r] = True
+            st.sample_logprobs[r] = 0.0
+            st.policy_version[r] = -1
+            st.group_id[r] = gid
+            st.seq_id[r] = self._next_seq
+            self._next_seq += 1
+            new_rows[r] = True
+        return new_rows
+
+    def release_finished(self, finished: np.ndarray) -> None:
+        """Frees the slots of finished rows (their cache rows are overwritten on reuse)."""
+        self.state.live &= ~finished
+        live_groups = set(self.state.group_id[self.state.live].tolist()) | set(self.pending)
+        self.examples = {g: e for g, e in self.examples.items() if g in live_groups}
+
+    # ---------------------------------------------------------------------------- step
+    def step(self) -> RolloutBatch:
+        st = self.state
+        new_rows = self._admit()
+        prefill_rows = new_rows | (self.kv_policy == "reprefill") | self._force_prefill
+        self._force_prefill = False
+        budget = np.minimum(self.window, st.prompt_len + self.L - st.total_len).astype(np.int32)
+        out, self.cache = prefill_and_decode(
+            self.model, self.cache, jnp.asarray(st.tokens), jnp.asarray(st.total_len),
+            jnp.asarray(prefill_rows), jnp.ones(self.B, bool), jnp.asarray(budget), self.rng,
+            jnp.asarray(st.seq_id.astype(np.uint32)), jnp.int32(self.step_count),
+            window=self.window, eos_id=self.eos_id, params=self.sampling)
+        toks, lps, count, hit_eos, steps = jax.device_get(tuple(out))
+        window_start = st.total_len.copy()
+        for r in range(self.B):
+            n = int(count[r])
+            a = int(st.total_len[r])
+            st.tokens[r, a:a + n] = toks[r, :n]
+            st.sample_logprobs[r, a:a + n] = lps[r, :n]
+            st.policy_version[r, a:a + n] = self.policy_version
+        st.total_len += count
+        window_index = st.windows_done.copy()
+        st.windows_done += 1
+        response_len = st.total_len - st.prompt_len
+        finished = hit_eos | (response_len >= self.L) | (st.windows_done >= self.K)
+        self.step_count += 1
+        self.stats["slot_steps"] += float(self.B * int(steps))
+        self.stats["useful_tokens"] += float(count.sum())
+        return RolloutBatch(
+            tokens=st.tokens.copy(), prompt_len=st.prompt_len.copy(),
+            window_start=window_start, window_len=count.astype(np.int32),
+            finished=finished, window_index=window_index,
+            sample_logprobs=st.sample_logprobs.copy(), policy_version=st.policy_version.copy(),
+            group_id=st.group_id.copy(),
+            examples=[self.examples[int(g)] for g in st.group_id],
+        )
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {"slots": self.state.to_dict(), "step_count": self.step_count,
+                "next_seq": self._next_seq, "next_group": self._next_group,
+                "pending": list(self.pending),
+                "examples": {str(g): e.__dict__ for g, e in self.examples.items()},
+                "policy_version": self.policy_version}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.state = SlotState(**{k: np.asarray(v) for k, v in d["slots"].items()})
+        self.step_count = int(d["step_count"])
+        self._next_seq, self._next_group = int(d["next_seq"]), int(d["next_group"])
+        self.pending = deque(int(g) for g in d["pending"])
+        self.examples = {int(g): MathExample(**e) for g, e in d["examples"].items()}
+        self.policy_version = int(d["policy_version"])
+        # The KV cache is not checkpointed: every live row is re-prefilled on resume.
+        self.cache = self.model.init_cache(self.B, self.S)
+        self._force_prefill = True

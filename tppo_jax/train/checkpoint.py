@@ -1,0 +1,49 @@
+"""Orbax checkpoints: ``policy``/``value`` params and their optimizer states as separate
+items, plus the trainer state (step, RNG, data-iterator state, scheduler slots)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+ITEMS = ("policy", "value", "policy_opt", "value_opt", "slots")
+
+
+class Checkpointer:
+    """Saves every ``every`` steps (and on demand), keeps the last ``keep``."""
+
+    def __init__(self, directory: Path, *, every: int, keep: int) -> None:
+        self.directory = Path(directory).absolute()
+        self.every = every
+        self.mngr = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        )
+
+    def latest_step(self) -> int | None:
+        return self.mngr.latest_step()
+
+    def save(self, step: int, trees: dict[str, Any], meta: dict[str, Any], *,
+             force: bool = False) -> bool:
+        if not force and (self.every <= 0 or step % self.every):
+            return False
+        args = {k: ocp.args.StandardSave(trees[k]) for k in ITEMS}
+        args["meta"] = ocp.args.JsonSave(meta)
+        self.mngr.save(step, args=ocp.args.Composite(**args), force=force)
+        self.mngr.wait_until_finished()
+        return True
+
+    def restore(self, step: int, templates: dict[str, Any]) -> tuple[dict[str, Any], dict]:
+        """Restores into the structure (and shardings) of ``templates``."""
+        args = {k: ocp.args.StandardRestore(templates[k]) for k in ITEMS}
+        args["meta"] = ocp.args.JsonRestore()
+        out = self.mngr.restore(step, args=ocp.args.Composite(**args))
+        trees = {k: out[k] for k in ITEMS}
+        trees["slots"] = {k: np.asarray(v) for k, v in trees["slots"].items()}
+        return trees, out["meta"]
+
+    def close(self) -> None:
+        self.mngr.close()

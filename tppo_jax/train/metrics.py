@@ -1,0 +1,49 @@
+"""Per-step metrics: JSONL (always), TensorBoard events (optional). Process 0 writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+
+def _clean(v: Any) -> Any:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return v
+    return f if math.isfinite(f) else str(f)
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True) -> None:
+        self.enabled = jax.process_index() == 0
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.t0 = time.time()
+        self.tb = None
+        if self.enabled and tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        row = {"step": step, "wall_time": time.time() - self.t0}
+        row.update({k: _clean(v) for k, v in metrics.items()})
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            if self.tb is not None:
+                for k, v in row.items():
+                    if isinstance(v, float | int) and k != "step":
+                        self.tb.add_scalar(k, v, step)
+        return row
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

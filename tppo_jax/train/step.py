@@ -1,0 +1,212 @@
+"""Jitted T-PPO pieces: advantage/target computation, policy update, value update.
+
+Pure functions of (params, optimizer state, batch arrays); the trainer dispatches the
+policy and value updates back to back without waiting on either (jax's async dispatch),
+so they run independently, as T-PPO prescribes. All formulas come from ``tppo_jax.algo``.
+
+Array layout: every batch array is ``[B, S]`` over the full token buffer (prompt +
+windows); ``X[b, t]`` refers to token ``t`` (e.g. ``logp[b, t]`` = log-prob of token t,
+``values[b, t] = V(s_t)`` read from the hidden state at ``t - 1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from tppo_jax import algo
+from tppo_jax.config import AlgoConfig, OptimConfig
+from tppo_jax.kernels.logprobs import token_logprobs
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """The static (hashable) knobs the jitted steps close over."""
+
+    algo: AlgoConfig
+    optim: OptimConfig
+    window: int
+    temperature: float
+
+
+def make_optimizer(lr: float, optim: OptimConfig) -> optax.GradientTransformation:
+    """AdamW with linear warm-up then constant, after global-norm clipping."""
+    sched = optax.join_schedules(
+        [optax.linear_schedule(lr / max(optim.warmup_steps, 1), lr, max(optim.warmup_steps, 1)),
+         optax.constant_schedule(lr)], [max(optim.warmup_steps, 1)])
+    parts = [optax.clip_by_global_norm(optim.grad_clip)] if optim.grad_clip > 0 else []
+    parts.append(optax.adamw(sched, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay))
+    return optax.chain(*parts)
+
+
+def shift_right(x: jax.Array) -> jax.Array:
+    """``[B, S-1]`` per-next-token quantities -> ``[B, S]`` indexed by token (col 0 = 0)."""
+    return jnp.pad(x, ((0, 0), (1, 0)))
+
+
+def policy_token_logprobs(model: nnx.Module, tokens: jax.Array, attn: jax.Array,
+                          temperature: float) -> tuple[jax.Array, jax.Array]:
+    """``logp[b, t]`` and entropy of token ``t``'s distribution, ``[B, S]`` each, chunked."""
+    hidden = model.hidden_states(tokens, attention_mask=attn)
+    lp, ent = token_logprobs(hidden[:, :-1], model.lm_head_weight(), tokens[:, 1:],
+                             temperature=temperature, chunk_size=128)
+    return shift_right(lp), shift_right(ent)
+
+
+def critic_token_values(model: nnx.Module, tokens: jax.Array, attn: jax.Array) -> jax.Array:
+    """``V(s_t)`` for every token ``t``: ``[B, S]`` (the critic reads position ``t-1``)."""
+    return shift_right(model(tokens, attention_mask=attn)[:, :-1])
+
+
+def _gather_window(x: jax.Array, start: jax.Array, width: int) -> jax.Array:
+    idx = jnp.clip(start[:, None] + jnp.arange(width)[None], 0, x.shape[1] - 1)
+    return jnp.take_along_axis(x, idx, axis=1)
+
+
+def _scatter_window(xw: jax.Array, start: jax.Array, length: int) -> jax.Array:
+    b, w = xw.shape
+    idx = start[:, None] + jnp.arange(w)[None]
+    return jnp.zeros((b, length), xw.dtype).at[jnp.arange(b)[:, None], idx].set(xw, mode="drop")
+
+
+def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepConfig
+                    ) -> dict[str, jax.Array]:
+    """EGAE advantages on the current window + MC returns + masks, all ``[B, S]``.
+
+    Args:
+      values: ``[B, S]`` ``V(s_t)`` from the critic at rollout time.
+      batch: ``tokens, prompt_len, window_start, window_len, finished, reward``.
+    """
+    a = cfg.algo
+    b, s = batch["tokens"].shape
+    start, wlen, fin = batch["window_start"], batch["window_len"], batch["finished"]
+    total = start + wlen
+    last = jnp.maximum(total - 1, 0)
+    rewards = jnp.zeros((b, s), jnp.float32).at[jnp.arange(b), last].set(
+        jnp.where(fin, batch["reward"], 0.0))
+
+    # Policy side: EGAE over the window [start, start + wlen).
+    w = cfg.window
+    mask_w = (jnp.arange(w)[None] < wlen[:, None]).astype(jnp.float32)
+    resp_len = total - batch["prompt_len"]
+    if a.length_adaptive:
+        lam = algo.length_adaptive_lambda(algo.effective_length(resp_len, fin, window=w),
+                                          alpha=a.alpha, lam_min=a.lam_min)
+    else:
+        lam = jnp.full((b,), a.lam_policy, jnp.float32)
+    adv_w = algo.egae(_gather_window(rewards, start, w), _gather_window(values, start, w),
+                      mask_w, fin, gamma=a.gamma, lam=lam)
+    adv = _scatter_window(adv_w, start, s)
+    pmask = algo.policy_mask(s, start, wlen, fin, ignore_last=a.window_ignore_tokens)
+    if a.whiten_advantages:
+        adv = algo.masked_whiten(adv, pmask)
+    if a.advantage_clip is not None:
+        adv = algo.masked_clip(adv, pmask, bound=a.advantage_clip)
+    adv = adv * pmask
+
+    # Critic side: MC returns (lambda_critic = 1) on every response token of finished rows.
+    rmask = algo.response_mask(s, batch["prompt_len"], total)
+    if a.lam_critic == 1.0:
+        returns = algo.mc_returns(rewards, rmask, gamma=a.gamma)
+    else:  # decoupled-GAE ablation: lambda-returns A + V with lam_critic
+        returns = algo.gae(rewards, values, rmask, gamma=a.gamma, lam=a.lam_critic) + values
+    vmask = algo.value_mask(s, batch["prompt_len"], total, fin)
+    posmask = algo.positive_example_mask(s, batch["prompt_len"], total, fin,
+                                         batch["reward"] > 0)
+    return {"advantages": adv, "policy_mask": pmask, "returns": returns * rmask,
+            "value_mask": vmask, "positive_mask": posmask, "lam": lam}
+
+
+def _minibatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
+    return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+
+
+def _guarded_apply(tx, grads, opt_state, params, loss):
+    """Applies the update only if loss and grads are finite; else keeps both unchanged."""
+    finite = jnp.isfinite(loss) & jnp.all(jnp.array(
+        [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    safe = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    updates, new_opt = tx.update(safe, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa
+    return keep(new_params, params), keep(new_opt, opt_state), ~finite
+
+
+def _run_epochs(loss_fn, tx, params, opt_state, batch, cfg: StepConfig, name: str):
+    """``cfg.optim.epochs`` passes over ``minibatches`` splits; one optimizer step each.
+    Non-finite loss/grads skip that step (counted as ``{name}_skipped``)."""
+
+    def one(carry, mb):
+        p, o = carry
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, mb)
+        p, o, skipped = _guarded_apply(tx, grads, o, p, loss)
+        stats = dict(stats, **{f"{name}_loss": loss, f"{name}_grad_norm": optax.global_norm(grads),
+                               f"{name}_skipped": skipped.astype(jnp.float32)})
+        return (p, o), stats
+
+    mbs = _minibatches(batch, cfg.optim.minibatches)
+    carry = (params, opt_state)
+    all_stats = []
+    for _ in range(cfg.optim.epochs):
+        carry, stats = jax.lax.scan(one, carry, mbs)
+        all_stats.append(stats)
+    skipped = sum(s[f"{name}_skipped"].sum() for s in all_stats)
+    stats = jax.tree.map(lambda *xs: jnp.mean(jnp.stack([x.mean() for x in xs])), *all_stats)
+    stats[f"{name}_skipped"] = skipped
+    return carry[0], carry[1], stats
+
+
+@partial(jax.jit, static_argnames=("graphdef", "tx", "cfg"), donate_argnums=(1, 2))
+def policy_update(graphdef: Any, params: Any, opt_state: Any, batch: dict[str, jax.Array], *,
+                  tx: optax.GradientTransformation, cfg: StepConfig):
+    """PPO epochs x minibatches on the policy mask (+ positive-example NLL, weight mu).
+
+    Returns ``(params, opt_state, stats)``; ``stats["policy_loss"]`` is the total loss.
+    """
+    a = cfg.algo
+
+    def loss_fn(p, mb):
+        model = nnx.merge(graphdef, p)
+        logp, ent = policy_token_logprobs(model, mb["tokens"], mb["attn"], cfg.temperature)
+        pl, stats = algo.policy_loss(logp, mb["sample_logprobs"], mb["advantages"],
+                                     mb["policy_mask"], eps_low=a.eps_low, eps_high=a.eps_high,
+                                     dual_clip_c=a.dual_clip_c, aggregation=a.loss_aggregation)
+        nll = algo.nll_loss(logp, mb["positive_mask"])
+        stats = dict(stats, pg_loss=pl, nll_loss=nll,
+                     entropy=algo.masked_mean(ent, mb["policy_mask"]))
+        return pl + a.nll_coef * nll, stats
+
+    return _run_epochs(loss_fn, tx, params, opt_state, batch, cfg, "policy")
+
+
+@partial(jax.jit, static_argnames=("graphdef", "tx", "cfg"), donate_argnums=(1, 2))
+def value_update(graphdef: Any, params: Any, opt_state: Any, batch: dict[str, jax.Array], *,
+                 tx: optax.GradientTransformation, cfg: StepConfig):
+    """Clipped value regression to MC returns on the value mask (finished rows only)."""
+    a = cfg.algo
+
+    def loss_fn(p, mb):
+        model = nnx.merge(graphdef, p)
+        v = critic_token_values(model, mb["tokens"], mb["attn"])
+        return algo.value_loss(v, mb["values_old"], mb["returns"], mb["value_mask"],
+                               clip_low=a.value_clip_low, clip_high=a.value_clip_high,
+                               aggregation=a.loss_aggregation)
+
+    return _run_epochs(loss_fn, tx, params, opt_state, batch, cfg, "value")
+
+
+@partial(jax.jit, static_argnames=("graphdef", "cfg"))
+def rollout_targets(graphdef: Any, value_params: Any, batch: dict[str, jax.Array], *,
+                    cfg: StepConfig) -> dict[str, jax.Array]:
+    """Critic forward at rollout time, then ``compute_targets``; adds ``values_old``."""
+    critic = nnx.merge(graphdef, value_params)
+    values = critic_token_values(critic, batch["tokens"], batch["attn"])
+    out = compute_targets(values, batch, cfg)
+    out["values_old"] = values
+    return out

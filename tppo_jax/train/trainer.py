@@ -1,0 +1,226 @@
+"""The T-PPO training loop (SPEC section 5), composed from the pieces below it.
+
+``train()`` reads top to bottom: set up (warm-start, models, optimizers, scheduler,
+grader, checkpoints), evaluate, then per step: rollout window -> grade finished rows ->
+critic targets + EGAE -> independent policy and value updates -> free finished slots ->
+log -> checkpoint; evaluate again at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from tppo_jax.config import Config, ConfigError
+from tppo_jax.data.pipeline import PromptPipeline
+from tppo_jax.data.readers import MathExample, read_examples
+from tppo_jax.data.synthetic import SyntheticMathTask
+from tppo_jax.models.tokenizer import Tokenizer
+from tppo_jax.models.value import ValueModel
+from tppo_jax.rewards.math import MathGrader
+from tppo_jax.rollout.generate import SamplingParams
+from tppo_jax.rollout.scheduler import RolloutBatch, TruncatedRolloutScheduler
+from tppo_jax.train.checkpoint import Checkpointer
+from tppo_jax.train.evaluate import evaluate
+from tppo_jax.train.metrics import MetricsWriter
+from tppo_jax.train.step import (
+    StepConfig,
+    make_optimizer,
+    policy_update,
+    rollout_targets,
+    value_update,
+)
+from tppo_jax.train.warmstart import warmstart
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Models:
+    tokenizer: Tokenizer
+    policy_def: Any
+    policy: dict
+    value_def: Any
+    value: dict
+
+
+def load_models(cfg: Config, run_dir: Path, progress: bool) -> Models:
+    """Tiny default: warm-started (cached in the run dir's parent). HF: loaded from disk."""
+    if cfg.model.source == "tiny":
+        tok, policy, _ = warmstart(cfg, run_dir.parent, progress=progress)
+    else:
+        from tppo_jax.models.hf import from_pretrained
+
+        path = Path(cfg.model.path or "")
+        tok_file = next((p for p in (path / "tokenizer.json", path / "tokenizer.model")
+                         if p.exists()), None)
+        if tok_file is None:
+            raise ConfigError(f"model.path {path}: no tokenizer.json or tokenizer.model found")
+        tok = Tokenizer.load(tok_file)
+        policy = from_pretrained(path, dtype=cfg.model.dtype)
+    if cfg.model.value_init == "path":
+        from tppo_jax.models.hf import from_pretrained
+
+        critic = ValueModel.from_policy(from_pretrained(cfg.model.value_path or "",
+                                                        dtype=cfg.model.dtype))
+    elif cfg.model.value_init == "random":
+        critic = ValueModel(policy.config, rngs=nnx.Rngs(cfg.train.seed + 1))
+    else:
+        critic = ValueModel.from_policy(policy, seed=cfg.train.seed)
+    pdef, pstate = nnx.split(policy)
+    vdef, vstate = nnx.split(critic)
+    return Models(tok, pdef, nnx.to_pure_dict(pstate), vdef, nnx.to_pure_dict(vstate))
+
+
+def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample], Any]:
+    """(train, held-out, prompt formatter)."""
+    d = cfg.data
+    if d.source == "synthetic":
+        task = SyntheticMathTask(seed=d.seed, difficulty=d.difficulty)
+        return task.sample(20000, "train"), task.sample(d.eval_size, "test"), task.prompt
+    rows, report = read_examples(d.source, format=d.format, fields=d.fields or None,
+                                 on_bad_row=d.on_bad_row)
+    if report.num_bad:
+        log.warning("data: skipped %d bad rows of %s", report.num_bad, d.source)
+    if len(rows) <= d.eval_size:
+        raise ConfigError(f"data.source {d.source} has {len(rows)} rows; need more than "
+                          f"data.eval_size={d.eval_size}")
+    return rows[:-d.eval_size], rows[-d.eval_size:], lambda e: f"Q: {e.question}\nA: "
+
+
+def batch_arrays(rb: RolloutBatch, reward: np.ndarray) -> dict[str, jax.Array]:
+    s = rb.tokens.shape[1]
+    attn = np.arange(s)[None] < rb.total_len[:, None]
+    return {k: jnp.asarray(v) for k, v in {
+        "tokens": rb.tokens, "attn": attn, "prompt_len": rb.prompt_len,
+        "window_start": rb.window_start, "window_len": rb.window_len, "finished": rb.finished,
+        "reward": reward.astype(np.float32), "sample_logprobs": rb.sample_logprobs}.items()}
+
+
+def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
+          progress: bool = True) -> dict[str, Any]:
+    """Runs T-PPO; returns a summary (before/after held-out accuracy, steps, time)."""
+    run_dir = Path(run_dir).absolute()
+    ckpt_dir = run_dir / "checkpoints"
+    if ckpt_dir.exists() and any(ckpt_dir.iterdir()) and not resume:
+        raise ConfigError(f"run dir {run_dir} already has checkpoints: pass --resume to "
+                          f"continue it, or choose a new --run-dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    r, a = cfg.rollout, cfg.algo
+
+    models = load_models(cfg, run_dir, progress)
+    tok = models.tokenizer
+    train_rows, eval_rows, fmt = load_data(cfg)
+    encode = lambda e: tok.encode(fmt(e))  # noqa: E731
+    pipeline = PromptPipeline(train_rows, batch_size=1, seed=cfg.data.seed,
+                              shard_index=jax.process_index(), shard_count=jax.process_count())
+    prompts = (b[0] for b in pipeline)
+    sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
+    scfg = StepConfig(algo=a, optim=cfg.optim, window=min(r.window, r.max_response_len),
+                      temperature=r.temperature if r.temperature > 0 else 1.0)
+    tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim)
+    tx_v = make_optimizer(cfg.optim.value_lr, cfg.optim)
+    opt_p, opt_v = tx_p.init(models.policy), tx_v.init(models.value)
+    policy_model = lambda: nnx.merge(models.policy_def, models.policy)  # noqa: E731
+    sched = TruncatedRolloutScheduler(
+        policy_model(), prompts, encode, slots=r.slots, group_size=r.group_size,
+        max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len, window=r.window,
+        eos_id=tok.eos_id, sampling=sampling, kv_policy=r.kv_policy, seed=cfg.train.seed)
+    ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+    start = 0
+    if resume and ckpt.latest_step() is not None:
+        step0 = ckpt.latest_step()
+        trees, meta = ckpt.restore(step0, {"policy": models.policy, "value": models.value,
+                                           "policy_opt": opt_p, "value_opt": opt_v,
+                                           "slots": sched.state.to_dict()})
+        models.policy, models.value = trees["policy"], trees["value"]
+        opt_p, opt_v = trees["policy_opt"], trees["value_opt"]
+        pipeline.load_state_json(meta["data_state"])
+        sched.set_policy(policy_model(), meta["scheduler"]["policy_version"])
+        sched.load_state_dict({**meta["scheduler"], "slots": trees["slots"]})
+        start = int(meta["step"])
+        log.info("resumed from step %d", start)
+
+    grader = MathGrader(num_workers=cfg.reward.workers, item_timeout_s=cfg.reward.item_timeout_s,
+                        batch_deadline_s=cfg.reward.batch_deadline_s,
+                        correct_reward=cfg.reward.correct, wrong_reward=cfg.reward.wrong)
+    metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
+    ev = lambda: evaluate(policy_model(), tok, eval_rows, encode, grader,  # noqa: E731
+                          max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len)
+    before = ev() if start == 0 else json.loads((run_dir / "eval_before.json").read_text())
+    (run_dir / "eval_before.json").write_text(json.dumps(before))
+    t_start = time.time()
+    bar = tqdm(range(start, cfg.train.steps), desc="T-PPO", disable=not progress,
+               dynamic_ncols=True, initial=start, total=cfg.train.steps)
+    try:
+        for step in bar:
+            t0 = time.time()
+            rb = sched.step()
+            t_roll = time.time() - t0
+            fin = np.flatnonzero(rb.finished)
+            reward = np.zeros(r.slots, np.float32)
+            correct = np.zeros(r.slots, bool)
+            counts: dict[str, int] = {}
+            if len(fin):
+                g = grader.grade([tok.decode(rb.response_tokens(i)) for i in fin],
+                                 [rb.examples[i].answer for i in fin])
+                reward[fin], correct[fin], counts = g.rewards, g.correct, g.counts
+            t_grade = time.time() - t0 - t_roll
+            arrays = batch_arrays(rb, reward)
+            targets = rollout_targets(models.value_def, models.value, arrays, cfg=scfg)
+            train_batch = {**arrays, **targets}
+            # Dispatched back to back: neither update waits for the other's result.
+            pstats: dict[str, Any] = {}
+            if step >= a.critic_warmup_steps:
+                models.policy, opt_p, pstats = policy_update(
+                    models.policy_def, models.policy, opt_p, train_batch, tx=tx_p, cfg=scfg)
+            models.value, opt_v, vstats = value_update(
+                models.value_def, models.value, opt_v, train_batch, tx=tx_v, cfg=scfg)
+            pstats, vstats = jax.device_get((pstats, vstats))
+            t_update = time.time() - t0 - t_roll - t_grade
+            sched.set_policy(policy_model(), step + 1)
+            sched.release_finished(rb.finished)
+            resp_len = rb.total_len - rb.prompt_len
+            row = metrics.write(step + 1, {
+                "reward_mean": float(reward[fin].mean()) if len(fin) else 0.0,
+                "accuracy": float(correct[fin].mean()) if len(fin) else 0.0,
+                "finished_frac": float(rb.finished.mean()),
+                "response_len_mean": float(resp_len[fin].mean()) if len(fin) else 0.0,
+                "response_len_max": int(resp_len.max()),
+                "occupancy": float(rb.window_len.sum() / max(1, r.slots * rb.window_len.max())),
+                "policy_loss": float(pstats.get("policy_loss", 0.0)),
+                "value_loss": float(vstats["value_loss"]),
+                **{k: float(v) for k, v in pstats.items() if k != "policy_loss"},
+                **{k: float(v) for k, v in vstats.items() if k != "value_loss"},
+                **{f"grade_{k}": v for k, v in counts.items()},
+                "tokens": int(rb.window_len.sum()),
+                "time_rollout_s": t_roll, "time_grading_s": t_grade, "time_update_s": t_update,
+                "tokens_per_s": float(rb.window_len.sum()) / max(time.time() - t0, 1e-9),
+            })
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", fin=len(fin))
+            meta = {"step": step + 1, "data_state": pipeline.state_json(),
+                    "scheduler": {k: v for k, v in sched.state_dict().items() if k != "slots"}}
+            is_last = step + 1 == cfg.train.steps
+            ckpt.save(step + 1, {"policy": models.policy, "value": models.value,
+                                 "policy_opt": opt_p, "value_opt": opt_v,
+                                 "slots": sched.state.to_dict()}, meta, force=is_last)
+        after = ev()
+    finally:
+        ckpt.close()
+        metrics.close()
+        grader.close()
+    summary = {"eval_before": before, "eval_after": after, "steps": cfg.train.steps,
+               "train_seconds": time.time() - t_start, "run_dir": str(run_dir)}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,126 @@
+"""Supervised warm-start of the tiny CPU-default policy: tokenizer + SFT on a teacher corpus.
+
+RL sharpens skills a model already has; it does not teach arithmetic in minutes. So the
+base policy is trained on a *noisy* teacher corpus (a known fraction of solutions make a
+wrong step or drop the ``\\boxed{}`` format): it learns the procedure but samples wrong or
+unformatted answers often, which the reward can then fix. The result (tokenizer +
+HF-format weights) is cached by a hash of everything that affects it, so a second run
+skips it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from tppo_jax.config import Config
+from tppo_jax.data.synthetic import SyntheticMathTask
+from tppo_jax.models.hf import from_pretrained, save_pretrained
+from tppo_jax.models.tokenizer import Tokenizer, train_sentencepiece
+from tppo_jax.models.transformer import ModelConfig, Transformer, create_model
+
+log = logging.getLogger(__name__)
+
+TEACHER_WRONG_STEP_FRAC = 0.3
+TEACHER_NO_FORMAT_FRAC = 0.2
+TEACHER_SIZE = 20000
+
+
+def warmstart_key(cfg: Config) -> str:
+    blob = json.dumps({"model": asdict(cfg.model), "data": asdict(cfg.data),
+                       "train": [cfg.train.warmstart_steps, cfg.train.warmstart_lr,
+                                 cfg.train.warmstart_batch, cfg.train.seed],
+                       "teacher": [TEACHER_WRONG_STEP_FRAC, TEACHER_NO_FORMAT_FRAC,
+                                   TEACHER_SIZE], "v": 1}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def tiny_model_config(cfg: Config, vocab_size: int) -> ModelConfig:
+    m = cfg.model
+    return ModelConfig(vocab_size=vocab_size, hidden_size=m.hidden_size,
+                       intermediate_size=m.intermediate_size, num_layers=m.num_layers,
+                       num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
+                       head_dim=m.hidden_size // m.num_heads, max_position_embeddings=m.max_seq_len,
+                       tie_embeddings=True, dtype=m.dtype)
+
+
+def encode_corpus(tok: Tokenizer, texts: list[str], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids ``[N, seq_len]`` (with EOS, right-padded) and loss masks over the answer."""
+    ids = np.zeros((len(texts), seq_len), np.int32)
+    mask = np.zeros((len(texts), seq_len), np.float32)
+    for i, t in enumerate(texts):
+        prompt, _, _ = t.partition("\nA: ")
+        n_prompt = len(tok.encode(prompt + "\nA: "))
+        row = tok.encode(t) + [tok.eos_id]
+        row = row[:seq_len]
+        ids[i, :len(row)] = row
+        mask[i, n_prompt:len(row)] = 1.0  # train on the solution (and its EOS) only
+    return ids, mask
+
+
+@nnx.jit
+def _sft_step(model: Transformer, opt: nnx.Optimizer, ids: jax.Array, mask: jax.Array):
+    def loss_fn(m: Transformer):
+        logits = m(ids[:, :-1], attention_mask=(ids[:, :-1] != 0) | (mask[:, :-1] > 0))
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+        w = mask[:, 1:]
+        return (nll * w).sum() / jnp.maximum(w.sum(), 1.0)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    opt.update(model, grads)
+    return loss
+
+
+def warmstart(cfg: Config, cache_root: Path, *, progress: bool = True
+              ) -> tuple[Tokenizer, Transformer, Path]:
+    """Returns ``(tokenizer, policy, cache_dir)``, training them unless cached."""
+    cache = Path(cache_root) / f"warmstart-{warmstart_key(cfg)}"
+    done = cache / "DONE"
+    if done.exists():
+        log.info("warm-start: reusing %s", cache)
+        tok = Tokenizer.load(cache / "tokenizer.model")
+        return tok, from_pretrained(cache / "policy", dtype=cfg.model.dtype), cache
+    cache.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    task = SyntheticMathTask(seed=cfg.data.seed, difficulty=cfg.data.difficulty)
+    texts = task.teacher_corpus(TEACHER_SIZE, TEACHER_WRONG_STEP_FRAC, TEACHER_NO_FORMAT_FRAC)
+    tok = train_sentencepiece(texts, cache / "tokenizer", vocab_size=128)
+    seq_len = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
+    ids, mask = encode_corpus(tok, texts, seq_len)
+    mcfg = tiny_model_config(cfg, tok.vocab_size)
+    model = create_model(mcfg, seed=cfg.train.seed)
+    opt = nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(
+        0.0, cfg.train.warmstart_lr, 50, max(cfg.train.warmstart_steps, 51))), wrt=nnx.Param)
+    rng = np.random.default_rng(cfg.train.seed)
+    bs = cfg.train.warmstart_batch
+    bar = tqdm(range(cfg.train.warmstart_steps), desc="warm-start (SFT)", disable=not progress,
+               dynamic_ncols=True)
+    loss = float("nan")
+    for i in bar:
+        idx = rng.integers(0, len(ids), size=bs)
+        # Trim the batch to its longest row: most rows are short (long-tailed lengths).
+        # Bucketed to multiples of 32 so only a few shapes ever compile.
+        width = int((ids[idx] != 0).sum(axis=1).max()) + 1
+        width = min(ids.shape[1], -(-width // 32) * 32)
+        loss = _sft_step(model, opt, jnp.asarray(ids[idx, :width]),
+                         jnp.asarray(mask[idx, :width]))
+        if i % 20 == 0:
+            bar.set_postfix(loss=f"{float(loss):.3f}")
+    save_pretrained(model, cache / "policy")
+    (cache / "stats.json").write_text(json.dumps(
+        {"final_loss": float(loss), "seconds": time.time() - t0, "vocab": tok.vocab_size,
+         "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))}))
+    done.write_text("ok")
+    return tok, model, cache
