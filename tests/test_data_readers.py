@@ -9,6 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tppo_jax.data.readers import DataError, get_path, last_boxed, read_examples
 
@@ -180,3 +182,17 @@ def test_bad_arguments(tmp_path: Path) -> None:
         read_examples(tmp_path / "missing.jsonl")
     with pytest.raises(DataError, match="unsupported"):
         read_examples(write_jsonl(tmp_path / "x.csv", []))
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.recursive(st.text(alphabet="ab1+ ", max_size=4),
+                    lambda inner: st.builds(lambda a, b: a + "{" + b + "}", inner, inner),
+                    max_leaves=6))
+def test_last_boxed_recovers_balanced_content(body: str) -> None:
+    assert last_boxed(rf"pre \boxed{{x}} text $\boxed{{{body}}}$ post") == body
+
+
+def test_limit_and_numeric_answers(tmp_path: Path) -> None:
+    rows = [{"question": f"q{i}", "answer": i, "solution": "s"} for i in range(5)]
+    exs, rep = read_examples(write_jsonl(tmp_path / "n.jsonl", rows), limit=3)
+    assert [e.answer for e in exs] == ["0", "1", "2"] and rep.total_rows == 3

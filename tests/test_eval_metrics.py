@@ -6,6 +6,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tppo_jax.eval.metrics import (
     avg_at_k,
@@ -76,3 +78,14 @@ def test_summarize() -> None:
     m[1] = False
     s = summarize(m, ks=(1, 4, 32))
     assert s == {"avg@8": 50.0, "pass@1": 50.0, "pass@4": 50.0}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 60).flatmap(lambda n: st.tuples(st.just(n), st.integers(0, n),
+                                                       st.integers(1, n))))
+def test_pass_at_k_matches_exact_binomials(nck: tuple[int, int, int]) -> None:
+    n, c, k = nck
+    exact = 1 - math.comb(n - c, k) / math.comb(n, k)
+    assert pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-9)
+    if k < n:
+        assert pass_at_k(n, c, k + 1) >= pass_at_k(n, c, k) - 1e-12  # monotone in k

@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from tppo_jax.kernels.logprobs import naive_token_logprobs, token_logprobs
 
 
@@ -65,4 +64,4 @@ def test_chunked_uses_less_memory():
     chunked = temp_bytes(lambda x, y, z: token_logprobs(x, y, z, chunk_size=64))
     full_logits = b * t * v * 4
     assert naive >= full_logits
-    assert chunked < full_logits / 4, (chunked, naive)
+    assert chunked < full_logits / 3 and chunked < naive / 5, (chunked, naive)

@@ -20,7 +20,7 @@ def test_dense_cache_is_a_kvcache_and_pytree():
 
 
 def test_prefill_then_decode_matches_full_forward():
-    cfg = ModelConfig.tiny(vocab_size=V, tie_embeddings=False)
+    cfg = ModelConfig.tiny(vocab_size=V, num_layers=2, tie_embeddings=False)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     b, total, p_bucket, steps = 3, 14, 8, 6
     seqs = jax.random.randint(jax.random.key(2), (b, total), 0, V)
@@ -49,7 +49,7 @@ def test_prefill_then_decode_matches_full_forward():
 
 
 def test_invalid_tokens_are_not_written():
-    cfg = ModelConfig.tiny(vocab_size=V)
+    cfg = ModelConfig.tiny(vocab_size=V, num_layers=2)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     cache = model.init_cache(1, 4)
     tok = jnp.array([[5, 6]])

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from tppo_jax.rewards.math import MathGrader, grade_one, overlong_penalty
+from tppo_jax.rewards.math import MathGrader, extract_answer, grade_one, overlong_penalty
 
 HANG = r"so \boxed{9^{9^{9^{9^9}}}}"  # sympy would try to build this integer forever
 
@@ -135,3 +135,24 @@ def test_spawn_context_and_fork_refused() -> None:
         assert r.reasons == ["ok", "wrong", "ok"] and g.stats["recycled"] == 1
     with pytest.raises(ValueError):
         MathGrader(num_workers=1, mp_context="fork")
+
+
+def test_extract_answer_formats() -> None:
+    assert extract_answer(r"x \boxed{\frac{1}{2}} y") == r"\frac{1}{2}"
+    dapo = "Work...\nAnswer: $34$."
+    assert extract_answer(dapo) is None
+    assert extract_answer(dapo, accept_answer_line=True) == "34"
+    assert extract_answer(r"Answer: 3" "\n" r"\boxed{4}", accept_answer_line=True) == "4"
+    assert extract_answer(r"\boxed{ }") is None
+    assert grade_one(dapo, "34", accept_answer_line=True) == "ok"
+
+
+def test_mixed_batch_with_hangs_keeps_other_results() -> None:
+    with MathGrader(num_workers=2, item_timeout_s=1.0, mv_timeout_s=None) as g:
+        comps = [rf"\boxed{{{i}}}" for i in range(40)]
+        comps[5] = comps[23] = HANG
+        t0 = time.monotonic()
+        r = g.grade(comps, [str(i) for i in range(40)])
+        assert time.monotonic() - t0 < 4.0
+        assert [i for i, x in enumerate(r.reasons) if x != "ok"] == [5, 23]
+        assert r.counts == {"ok": 38, "wrong": 0, "no_answer": 0, "timeout": 2, "crash": 0}

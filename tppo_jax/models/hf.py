@@ -192,7 +192,9 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 def _state_paths(state: Any) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
-    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    """(path of plain keys, Variable) for every Variable of an ``nnx.State``, in tree order."""
+    flat = jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     return [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), var) for p, var in flat[0]]
 
 

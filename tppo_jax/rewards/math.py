@@ -18,6 +18,8 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import re
+import signal
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -35,22 +37,41 @@ REASONS = ("ok", "wrong", "no_answer", "timeout", "crash")
 
 
 # ------------------------------------------------------------------------ grading (any process)
+_ANSWER_LINE = re.compile(r"^[ \t]*Answer[ \t]*:[ \t]*(.+?)[ \t.]*$", re.I | re.M)
+
+
+def extract_answer(completion: str, *, accept_answer_line: bool = False) -> str | None:
+    """The graded answer text: the last ``\\boxed{...}``; with ``accept_answer_line`` a final
+    ``Answer: X`` line (the DAPO-Math-17K prompt's format) is the fallback."""
+    content = last_boxed(completion)
+    if content is None and accept_answer_line:
+        lines = _ANSWER_LINE.findall(completion)
+        content = lines[-1].strip("$ ") if lines else None
+    return content if content and content.strip() else None
+
+
 def grade_one(
-    completion: str, answer: str, *, require_boxed: bool = True, mv_timeout_s: int | None = 1
+    completion: str,
+    answer: str,
+    *,
+    require_boxed: bool = True,
+    accept_answer_line: bool = False,
+    mv_timeout_s: int | None = 1,
 ) -> str:
     """Grade one completion against a ground-truth answer; returns a reason from REASONS.
 
     ``require_boxed``: only the last ``\\boxed{...}`` counts (the trained answer format), so an
-    unformatted answer is ``no_answer`` even if its number is right. ``mv_timeout_s`` is passed to
-    math-verify's own (SIGALRM) timeouts -- a cheap first line of defence; None disables them
+    unformatted answer is ``no_answer`` even if its number is right (``accept_answer_line``: see
+    :func:`extract_answer`); False lets math-verify search the whole text. ``mv_timeout_s`` feeds
+    math-verify's own SIGALRM timeouts -- a cheap first line of defence; None disables them
     (required off the main thread).
     """
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
 
     if require_boxed:
-        content = last_boxed(completion)
-        if content is None or not content.strip():
+        content = extract_answer(completion, accept_answer_line=accept_answer_line)
+        if content is None:
             return "no_answer"
         pred_text = f"\\boxed{{{content}}}"
     else:
@@ -79,10 +100,11 @@ def grade_one(
     return "ok" if ok else "wrong"
 
 
-def _worker_main(conn: Connection, require_boxed: bool, mv_timeout_s: int | None) -> None:
+def _worker_main(conn: Connection, grade_kw: dict[str, Any]) -> None:
     """Worker loop: pre-warm, then answer ``(idx, completion, answer)`` until ``None``/EOF."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # timeouts are counted, not logged
-    grade_one("\\boxed{1}", "1", mv_timeout_s=mv_timeout_s)  # import + compile regexes now
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (close())
+    grade_one("\\boxed{1}", "1", **grade_kw)  # import + compile regexes now
     try:
         conn.send(("ready", os.getpid()))
     except OSError:  # the parent closed or replaced us while we were starting
@@ -96,8 +118,7 @@ def _worker_main(conn: Connection, require_boxed: bool, mv_timeout_s: int | None
             return
         idx, completion, answer = msg
         try:
-            reason = grade_one(completion, answer, require_boxed=require_boxed,
-                               mv_timeout_s=mv_timeout_s)
+            reason = grade_one(completion, answer, **grade_kw)
         except Exception:  # noqa: BLE001 - a grading bug scores 0, it must not kill the worker
             reason = "crash"
         try:
@@ -157,7 +178,7 @@ class MathGrader:
       correct_reward, wrong_reward: reward values (e.g. 1/0 or 1/-1).
       no_answer_reward: reward for a missing/unparsable answer (default: ``wrong_reward``).
       error_reward: reward for ``timeout``/``crash`` items.
-      require_boxed: grade only the last ``\\boxed{}`` (see :func:`grade_one`).
+      require_boxed, accept_answer_line: which answer text is graded (see :func:`grade_one`).
       mv_timeout_s: math-verify's inner timeout in whole seconds (None: off).
       mp_context: ``"forkserver"`` (default where available) or ``"spawn"``; never ``fork``,
         the parent runs JAX threads.
@@ -176,6 +197,7 @@ class MathGrader:
         no_answer_reward: float | None = None,
         error_reward: float = 0.0,
         require_boxed: bool = True,
+        accept_answer_line: bool = False,
         mv_timeout_s: int | None = 1,
         mp_context: str | None = None,
         startup_timeout_s: float = 60.0,
@@ -195,8 +217,11 @@ class MathGrader:
             "timeout": error_reward,
             "crash": error_reward,
         }
-        self.require_boxed = require_boxed
-        self.mv_timeout_s = mv_timeout_s
+        self.grade_kw: dict[str, Any] = {
+            "require_boxed": require_boxed,
+            "accept_answer_line": accept_answer_line,
+            "mv_timeout_s": mv_timeout_s,
+        }
         self._ctx = _context(mp_context)
         self._startup_timeout_s = startup_timeout_s
         # Lifetime counters, for logs and tests.
@@ -215,7 +240,7 @@ class MathGrader:
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
-            target=_worker_main, args=(child, self.require_boxed, self.mv_timeout_s), daemon=True
+            target=_worker_main, args=(child, self.grade_kw), daemon=True
         )
         proc.start()
         child.close()  # so the parent sees EOF when the worker dies
@@ -284,8 +309,7 @@ class MathGrader:
 
     def _grade_inline(self, completion: str, answer: str) -> str:
         try:
-            return grade_one(completion, answer, require_boxed=self.require_boxed,
-                             mv_timeout_s=self.mv_timeout_s)
+            return grade_one(completion, answer, **self.grade_kw)
         except Exception:  # noqa: BLE001
             logger.exception("grading failed")
             return "crash"
@@ -308,7 +332,8 @@ class MathGrader:
                         w.ready = False
             busy = [w.started + self.item_timeout_s for w in self._workers if w.task is not None]
             wake = min([deadline, *busy])
-            conns = [w.conn for w in self._workers if not w.conn.closed]
+            # A dead worker's pipe reads EOF, so deaths (busy, idle or starting) land here too.
+            conns = [w.conn for w in self._workers]
             for conn in wait(conns, timeout=max(0.0, wake - time.monotonic())):
                 self._on_message(conn, reasons)
             now = time.monotonic()
@@ -316,9 +341,6 @@ class MathGrader:
                 if w.task is not None and now - w.started > self.item_timeout_s:
                     reasons[w.task] = "timeout"
                     self._replace(i, kill=True)
-                elif not w.ready and w.task is None and not w.proc.is_alive():
-                    self.stats["died"] += 1  # died during start-up or while idle
-                    self._replace(i, kill=False)
             if now >= deadline:
                 for i, w in enumerate(self._workers):
                     if w.task is not None:

@@ -100,8 +100,11 @@ def decode_window(
         logits, cache = model.forward_with_cache(cur[:, None], pos[:, None], cache,
                                                  valid=run[:, None])
         keys = slot_keys(jax.random.fold_in(rng, i), slot_ids, step)
+        # None switches truncation off at trace time (no full-vocabulary sort).
         nxt, lp = sample(logits[:, 0], keys, temperature=params.temperature,
-                         top_p=params.top_p, top_k=params.top_k, greedy=params.greedy)
+                         top_p=params.top_p if params.top_p < 1.0 else None,
+                         top_k=params.top_k if params.top_k > 0 else None,
+                         greedy=params.greedy)
         idx = jnp.where(run, count, window)  # out of range -> dropped
         toks = toks.at[jnp.arange(b), idx].set(nxt, mode="drop")
         lps = lps.at[jnp.arange(b), idx].set(lp, mode="drop")

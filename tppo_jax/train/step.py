@@ -146,7 +146,7 @@ def _run_epochs(loss_fn, tx, params, opt_state, batch, cfg: StepConfig, name: st
         p, o = carry
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, mb)
         p, o, skipped = _guarded_apply(tx, grads, o, p, loss)
-        stats = dict(stats, **{f"{name}_loss": loss, f"{name}_grad_norm": optax.global_norm(grads),
+        stats = dict(stats, **{f"{name}_loss": loss, f"{name}_grad_norm": optax.tree.norm(grads),
                                f"{name}_skipped": skipped.astype(jnp.float32)})
         return (p, o), stats
 

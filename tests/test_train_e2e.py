@@ -1,0 +1,43 @@
+"""`tppo train` end to end on the smoke config: real tokenizer training, warm-start, T-PPO
+steps with math-verify grading, Orbax checkpoints, metrics; then `--resume` continues."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _tppo(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "tppo_jax.cli", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_smoke_train_then_resume(tmp_path):
+    run = tmp_path / "runs" / "smoke"
+    r = _tppo("train", "--config", "smoke", "--run-dir", str(run), "--no-progress", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "held-out accuracy" in r.stdout
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4]
+    for key in ("reward_mean", "policy_loss", "value_loss", "wall_time", "occupancy"):
+        assert key in rows[0]
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert ckpts == ["2", "4"]
+    for item in ("policy", "value", "policy_opt", "value_opt", "slots", "meta"):
+        assert (run / "checkpoints" / "4" / item).exists()
+    assert list((run / "tensorboard").iterdir())
+    # The warm-start is cached next to the run dir, so it is reused on resume.
+    assert len(list((tmp_path / "runs").glob("warmstart-*/DONE"))) == 1
+
+    # Without --resume an existing run dir is refused with a one-line reason.
+    r = _tppo("train", "--config", "smoke", "--run-dir", str(run), cwd=tmp_path)
+    assert r.returncode == 2 and "--resume" in r.stderr
+
+    r = _tppo("train", "--config", "smoke", "--run-dir", str(run), "--resume", "--no-progress",
+              "train.steps=6", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "warm-start (SFT)" not in r.stderr
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [1, 2, 3, 4, 5, 6]
