@@ -49,12 +49,14 @@ def test_sharded_value_model_and_cache(devices8):
     tok = jax.random.randint(jax.random.key(0), (4, 8), 0, V)
     vals = nnx.jit(lambda m, t: m(t))(vm, tok)
     assert vals.shape == (4, 8)
-    policy = create_model(cfg, seed=2, mesh=mesh)
+    policy = shard_model(Transformer(cfg, rngs=nnx.Rngs(2)), mesh)
     critic = ValueModel.from_policy(policy)
     assert critic.backbone.embed[...].sharding == policy.backbone.embed[...].sharding
-    cache = DenseKVCache.init(cfg.num_layers, 4, 8, cfg.num_kv_heads, cfg.head_dim)
-    cache = jax.device_put(cache.k, named_sharding(mesh, DenseKVCache.LOGICAL_AXES,
-                                                   cache.k.shape))
-    assert "fsdp" in cache.sharding.spec[1]
+    cache = DenseKVCache.init(cfg.num_layers, 4, 8, cfg.num_kv_heads, cfg.head_dim).shard(mesh)
+    assert "fsdp" in cache.k.sharding.spec[1] and cache.k.sharding.spec[3] == "tensor"
+    step = nnx.jit(lambda m, t, p, c: m.forward_with_cache(t, p, c, valid=t >= 0))
+    pos = jnp.broadcast_to(jnp.arange(8)[None], (4, 8))
+    logits, cache = step(policy, tok, pos, cache)
+    np.testing.assert_allclose(logits, nnx.jit(lambda m, t: m(t))(policy, tok), atol=1e-5)
     np.testing.assert_allclose(nnx.jit(lambda m, t: m(t))(critic, tok), 0.0)
     assert jnp.isfinite(vals).all()

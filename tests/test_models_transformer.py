@@ -1,5 +1,7 @@
 """Decoder forward: shapes, causality, right padding, RoPE scaling, dtypes, value model."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -140,3 +142,15 @@ def test_value_model_own_init_and_grad():
     grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(tok, attention_mask=mask) ** 2)))(vm)
     g = grads.head[...]
     assert g.shape == (128,) and np.abs(np.asarray(g)).max() > 0
+
+
+def test_remat_gives_same_gradients():
+    cfg = ModelConfig.tiny(vocab_size=V, num_layers=2)
+    tok = _tokens()
+    grads = []
+    for remat in (False, True):
+        m = Transformer(dataclasses.replace(cfg, remat=remat), rngs=nnx.Rngs(0))
+        g = nnx.jit(nnx.grad(lambda m: jnp.mean(m(tok) ** 2)))(m)
+        grads.append(jax.tree.leaves(nnx.state(g)))
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)

@@ -64,11 +64,109 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dirs", nargs="+", help="run directories (metrics.jsonl inside)")
+    p.add_argument("--out", default=None, help="output folder (default: the first run dir)")
+    p.add_argument("--smooth", type=int, default=5, help="moving-average window in steps")
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from tppo_jax.train.plot import plot_runs
+
+    dirs = [Path(d) for d in args.run_dirs]
+    missing = [str(d) for d in dirs if not (d / "metrics.jsonl").exists()]
+    if missing:
+        print(f"tppo plot: no metrics.jsonl in {', '.join(missing)}", file=sys.stderr)
+        return 2
+    for path in plot_runs(dirs, Path(args.out or dirs[0]), smooth=args.smooth):
+        print(path)
+    return 0
+
+
+def _load_run_policy(run_dir: Path, step: int | None):
+    """(config, tokenizer, policy model, step) of a run's checkpoint (latest by default)."""
+    from flax import nnx
+
+    from tppo_jax.config import ConfigError, load_config
+    from tppo_jax.train.checkpoint import Checkpointer
+    from tppo_jax.train.trainer import load_models
+
+    if not (run_dir / "config.yaml").exists():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+    cfg = load_config(run_dir / "config.yaml")
+    models = load_models(cfg, run_dir, progress=False)
+    ckpt = Checkpointer(run_dir / "checkpoints", every=0, keep=1000)
+    step = step if step is not None else ckpt.latest_step()
+    if step is not None:
+        models.policy = ckpt.restore_item(step, "policy", models.policy)
+    ckpt.close()
+    policy = nnx.merge(models.policy_def, models.policy)
+    return cfg, models.tokenizer, policy, step or 0, models.tokenizer_file
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="run directory to evaluate (its latest checkpoint)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("-k", type=int, default=8, help="samples per question (avg@k, pass@k)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.7)
+    p.add_argument("--greedy", action="store_true", help="one greedy sample per question")
+    p.add_argument("--out", default=None, help="results JSON (default: RUN_DIR/eval_<step>.json)")
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from tppo_jax.rewards.math import MathGrader
+    from tppo_jax.rollout.generate import SamplingParams
+    from tppo_jax.train.evaluate import evaluate
+    from tppo_jax.train.trainer import load_data
+
+    run_dir = Path(args.run_dir)
+    cfg, tok, policy, step, _ = _load_run_policy(run_dir, args.step)
+    _, eval_rows, fmt = load_data(cfg)
+    k = 1 if args.greedy else args.k
+    sampling = SamplingParams(greedy=True) if args.greedy else SamplingParams(
+        temperature=args.temperature, top_p=args.top_p)
+    with MathGrader(num_workers=cfg.reward.workers) as grader:
+        res = evaluate(policy, tok, eval_rows, lambda e: tok.encode(fmt(e)), grader,
+                       max_prompt_len=cfg.rollout.max_prompt_len,
+                       max_response_len=cfg.rollout.max_response_len, k=k, sampling=sampling)
+    res.update(step=step, k=k, temperature=args.temperature, top_p=args.top_p,
+               greedy=args.greedy, questions=len(eval_rows))
+    out = Path(args.out or run_dir / f"eval_{step}.json")
+    out.write_text(json.dumps(res, indent=2))
+    print(json.dumps(res))
+    return 0
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="run directory")
+    p.add_argument("out", help="output folder (HF config.json + model.safetensors)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import shutil
+
+    from tppo_jax.models.hf import save_pretrained
+
+    _, _, policy, step, tok_file = _load_run_policy(Path(args.run_dir), args.step)
+    out = Path(args.out)
+    save_pretrained(policy, out)
+    shutil.copy(tok_file, out / tok_file.name)  # Tokenizer.load(out) finds it
+    print(f"exported policy of step {step} to {out}")
+    return 0
+
+
 def register_all(register: Callable) -> None:
     register("train", "run T-PPO training (no arguments: the embedded CPU default)",
              _train_args, cmd_train)
     register("data", "preview the training data (`tppo data` = preview)", _preview_args,
              cmd_data_preview)
+    register("plot", "PNG charts of one or more runs' metrics", _plot_args, cmd_plot)
+    register("eval", "avg@k / pass@k of a run's policy on the held-out set", _eval_args,
+             cmd_eval)
+    register("export", "export a run's policy as Hugging Face safetensors", _export_args,
+             cmd_export)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ from typing import Protocol, runtime_checkable
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh
+
+from tppo_jax.parallel.mesh import named_sharding
 
 # A large finite negative instead of -inf: a query whose keys are all masked (padding rows)
 # then gets a uniform softmax instead of NaNs that would poison gradients through `where`.
@@ -160,6 +163,16 @@ class DenseKVCache:
         top = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)
         lengths = jnp.maximum(self.lengths, top)
         return out, self.replace(k=new_k, v=new_v, lengths=lengths)
+
+    def shard(self, mesh: Mesh) -> DenseKVCache:
+        """Places k/v per ``LOGICAL_AXES`` (batch over data/fsdp, kv heads over tensor)."""
+        kv = named_sharding(mesh, self.LOGICAL_AXES, self.k.shape)
+        return self.replace(
+            k=jax.device_put(self.k, kv),
+            v=jax.device_put(self.v, kv),
+            lengths=jax.device_put(self.lengths, named_sharding(mesh, ("batch",),
+                                                                self.lengths.shape)),
+        )
 
     def reset_rows(self, rows: jax.Array) -> DenseKVCache:
         """Frees rows (``[B]`` bool): their length goes back to 0 (storage is reused as is)."""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from tppo_jax.models.cache import KVCache, causal_padding_mask, gqa_attention
+from tppo_jax.models.cache import DenseKVCache, KVCache, causal_padding_mask, gqa_attention
 from tppo_jax.parallel.mesh import named_sharding
 
 
@@ -47,6 +47,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_position_embeddings: int = 4096
     dtype: str = "float32"
+    # Training-time option, not part of the HF config: recompute each decoder layer in the
+    # backward pass (activation memory O(layers * B*T*H) instead of all intermediates).
+    remat: bool = False
 
     def __post_init__(self) -> None:
         # Stored as sorted item tuples so the config is hashable (NNX keeps it as static
@@ -224,6 +227,10 @@ def _default_positions(tokens: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
 
 
+def _run_layer(layer: DecoderLayer, x, positions, mask, inv_freq) -> jax.Array:
+    return layer(x, positions, mask, inv_freq)
+
+
 class Backbone(nnx.Module):
     """Embedding + decoder layers + final norm; shared by the policy and the value model."""
 
@@ -246,8 +253,9 @@ class Backbone(nnx.Module):
         mask = causal_padding_mask(attention_mask, b, t)
         inv_freq = rope_inv_freq(self.config)
         x = jnp.take(self.embed[...], tokens, axis=0)
+        run = nnx.remat(_run_layer) if self.config.remat else _run_layer
         for layer in self.layers:
-            x = layer(x, positions, mask, inv_freq)
+            x = run(layer, x, positions, mask, inv_freq)
         return self.final_norm(x)
 
     def with_cache(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
@@ -291,10 +299,8 @@ class Transformer(nnx.Module):
         """``tokens [B, T]`` -> float32 logits ``[B, T, V]`` (causal, right padding)."""
         return self.logits_from_hidden(self.hidden_states(tokens, positions, attention_mask))
 
-    def init_cache(self, batch: int, max_len: int):
-        """An empty ``DenseKVCache`` for this model."""
-        from tppo_jax.models.cache import DenseKVCache
-
+    def init_cache(self, batch: int, max_len: int) -> DenseKVCache:
+        """An empty ``DenseKVCache`` (``[L, batch, max_len, Hkv, D]``) for this model."""
         c = self.config
         return DenseKVCache.init(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
                                  c.jnp_dtype)

@@ -45,5 +45,11 @@ class Checkpointer:
         trees["slots"] = {k: np.asarray(v) for k, v in trees["slots"].items()}
         return trees, out["meta"]
 
+    def restore_item(self, step: int, name: str, template: Any) -> Any:
+        """Restores one item (e.g. ``policy`` for evaluation or export)."""
+        out = self.mngr.restore(step, args=ocp.args.Composite(
+            **{name: ocp.args.StandardRestore(template)}))
+        return out[name]
+
     def close(self) -> None:
         self.mngr.close()

@@ -52,12 +52,14 @@ class Models:
     policy: dict
     value_def: Any
     value: dict
+    tokenizer_file: Path
 
 
 def load_models(cfg: Config, run_dir: Path, progress: bool) -> Models:
     """Tiny default: warm-started (cached in the run dir's parent). HF: loaded from disk."""
     if cfg.model.source == "tiny":
-        tok, policy, _ = warmstart(cfg, run_dir.parent, progress=progress)
+        tok, policy, cache = warmstart(cfg, run_dir.parent, progress=progress)
+        tok_file = cache / "tokenizer.model"
     else:
         from tppo_jax.models.hf import from_pretrained
 
@@ -79,7 +81,7 @@ def load_models(cfg: Config, run_dir: Path, progress: bool) -> Models:
         critic = ValueModel.from_policy(policy, seed=cfg.train.seed)
     pdef, pstate = nnx.split(policy)
     vdef, vstate = nnx.split(critic)
-    return Models(tok, pdef, nnx.to_pure_dict(pstate), vdef, nnx.to_pure_dict(vstate))
+    return Models(tok, pdef, nnx.to_pure_dict(pstate), vdef, nnx.to_pure_dict(vstate), tok_file)
 
 
 def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample], Any]:

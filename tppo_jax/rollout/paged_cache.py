@@ -1,0 +1,107 @@
+"""``PagedKVCache``: the ``KVCache`` protocol over the page pool of ``rollout.pages``.
+
+The decoder hands each layer's new ``k, v`` to ``update_and_attend``; this cache scatters them
+into the slot's pages (``pages.write_kv``) and attends with the paged kernels
+(``paged_attention`` for one-token decode, ``paged_attention_prefill`` for multi-token).
+
+Row ``b`` of the batch is slot ``slots[b]`` of the pool. Pages must be reserved *before* the
+forward (``pages.reserve``); writes into positions without a page, or into shared prompt
+pages, are dropped by ``write_kv`` (never corrupting another sample). Like ``DenseKVCache``,
+each layer call raises ``slot_len`` to cover the positions written (an idempotent max, so
+calling it once per layer is harmless).
+
+Pool layout: ``k, v [L, Hkv, num_pages, page_size, D]`` (layer-major, then the kernel layout).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from tppo_jax.kernels.paged_attention import paged_attention, paged_attention_prefill
+from tppo_jax.rollout import pages as pg
+
+Array = jax.Array
+
+
+def init_pools(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
+               head_dim: int, dtype: jnp.dtype = jnp.float32) -> tuple[Array, Array]:
+    """Zeroed ``(k, v)`` pools, each ``[L, Hkv, num_pages, page_size, D]``."""
+    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+@struct.dataclass
+class PagedKVCache:
+    """Per-layer page pools + page table, viewed through a batch of slots.
+
+    Attributes:
+      pages: ``PageState`` (page table ``[S, M]``, refcounts ``[N]``, ``slot_len [S]``).
+      k, v: ``[L, Hkv, N, page_size, D]`` pools.
+      slots: ``[B]`` int32, the slot each batch row reads and writes.
+      impl: static paged-attention implementation for decode (see the kernels module).
+    """
+
+    pages: pg.PageState
+    k: Array
+    v: Array
+    slots: Array
+    impl: str = struct.field(pytree_node=False, default="auto")
+
+    def update_and_attend(
+        self,
+        layer_idx: int,
+        q: Array,
+        k: Array,
+        v: Array,
+        positions: Array,
+        valid: Array,
+    ) -> tuple[Array, PagedKVCache]:
+        """See ``KVCache.update_and_attend``. q ``[B,T,Hq,D]``, k/v ``[B,T,Hkv,D]``,
+        positions/valid ``[B,T]`` -> (out ``[B,T,Hq,D]``, cache)."""
+        positions = positions.astype(jnp.int32)
+        valid = valid.astype(bool)
+        kp, vp = pg.write_kv(self.k[layer_idx], self.v[layer_idx], self.pages, self.slots,
+                             positions, k, v, valid)
+        top = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)  # [B]
+        slot_len = self.pages.slot_len.at[self.slots].max(top)
+        pages = self.pages.replace(slot_len=slot_len)
+        table, lengths = pg.attention_inputs(pages, self.slots)
+        if q.shape[1] == 1:
+            # Decode: the query at position p sees exactly [0, p] (its own causal limit, even
+            # if the slot holds more, e.g. when a prefix is recomputed).
+            q_len = jnp.where(valid[:, 0], positions[:, 0] + 1, lengths)
+            out = paged_attention(q[:, 0], kp, vp, q_len, table, impl=self.impl)[:, None]
+        else:
+            q_pos = jnp.where(valid, positions, -1)
+            out = paged_attention_prefill(q, kp, vp, lengths, table, q_pos)
+        new = self.replace(pages=pages, k=self.k.at[layer_idx].set(kp),
+                           v=self.v.at[layer_idx].set(vp))
+        return out.astype(q.dtype), new
+
+
+def prefill_into_slots(model, pages: pg.PageState, k: Array, v: Array, tokens: Array,
+                       num_tokens: Array, slots: Array, *, impl: str = "auto"
+                       ) -> tuple[pg.PageState, Array, Array, Array, Array]:
+    """Reserves pages and writes ``tokens[:, :num_tokens]`` of each row into its (empty) slot.
+
+    Args:
+      model: ``Transformer`` (anything with ``forward_with_cache``).
+      tokens: ``[B, T]`` right-padded tokens; num_tokens: ``[B]`` tokens to cache per row
+        (0 = skip the row); slots: ``[B]`` distinct target slots.
+    Returns:
+      ``(pages, k, v, logits [B, T, V], ok [B])``; rows that did not get pages (``ok`` False)
+      are left untouched (their writes have no page and are dropped).
+    """
+    b, t = tokens.shape
+    num_tokens = num_tokens.astype(jnp.int32)
+    mask = pg.slots_to_mask(jnp.where(num_tokens > 0, slots, -1), pages.num_slots)
+    per_slot = jnp.zeros((pages.num_slots,), jnp.int32).at[slots].set(num_tokens)
+    pages, ok_slot = pg.reserve(pages, mask, per_slot)
+    ok = ok_slot[slots]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    valid = (positions < num_tokens[:, None]) & ok[:, None]
+    cache = PagedKVCache(pages, k, v, slots.astype(jnp.int32), impl=impl)
+    logits, cache = model.forward_with_cache(tokens, positions, cache, valid=valid)
+    return cache.pages, cache.k, cache.v, logits, ok
