@@ -9,7 +9,6 @@ import pytest
 from flax import nnx
 
 from tppo_jax.models.transformer import ModelConfig, Transformer, apply_rope, rope_inv_freq
-from tppo_jax.models.value import ValueModel
 
 V = 64
 # Jitted forward: tests compile once per shape instead of dispatching every op eagerly.
@@ -27,8 +26,8 @@ def _tokens(b=2, t=12, seed=1):
 
 def test_tiny_preset_size_and_shapes(model):
     n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    full = sum(x.size for x in jax.tree.leaves(
-        nnx.state(Transformer(ModelConfig.tiny(), rngs=nnx.Rngs(0)), nnx.Param)))
+    abstract = nnx.eval_shape(lambda: Transformer(ModelConfig.tiny(), rngs=nnx.Rngs(0)))
+    full = sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     assert 0.6e6 < full < 1.0e6, full
     assert n < full
     logits = fwd(model, _tokens())
@@ -38,7 +37,7 @@ def test_tiny_preset_size_and_shapes(model):
 
 def test_hidden_states_and_head_compose(model):
     tok = _tokens()
-    h = model.hidden_states(tok)
+    h = nnx.jit(lambda m, t: m.hidden_states(t))(model, tok)
     assert h.shape == (2, 12, 128)
     np.testing.assert_allclose(model.logits_from_hidden(h), fwd(model, tok), atol=1e-5)
     assert model.lm_head_weight().shape == (128, V)
@@ -58,11 +57,6 @@ def test_right_padding_does_not_change_valid_logits(model):
     mask = jnp.array([[1] * 7 + [0] * 5])
     np.testing.assert_allclose(fwd(model, padded, None, mask)[:, :7], fwd(model, tok),
                                atol=1e-5)
-
-
-def test_jit_matches_eager(model):
-    tok = _tokens()
-    np.testing.assert_allclose(nnx.jit(lambda m, t: m(t))(model, tok), model(tok), atol=1e-5)
 
 
 def test_positions_only_shift_rope():
@@ -117,36 +111,9 @@ def test_bad_config():
         ModelConfig.tiny(num_kv_heads=3)
 
 
-def test_value_model_from_policy_is_separate(model):
-    vm = ValueModel.from_policy(model)
-    tok = _tokens()
-    values = vm(tok)
-    assert values.shape == (2, 12) and values.dtype == jnp.float32
-    np.testing.assert_allclose(values, 0.0)  # zero head: neutral critic
-    np.testing.assert_allclose(vm.backbone(tok), model.hidden_states(tok), atol=1e-6)
-    # Distinct buffers: editing the critic's backbone leaves the policy alone.
-    w = vm.backbone.layers[0].mlp.up
-    assert w[...].unsafe_buffer_pointer() != model.backbone.layers[0].mlp.up[...] \
-        .unsafe_buffer_pointer()
-    w.set_value(w[...] + 1.0)
-    np.testing.assert_allclose(vm.backbone(tok)[0, 0] * 0 + model.hidden_states(tok)[0, 0],
-                               model.hidden_states(tok)[0, 0])
-    assert not np.allclose(vm.backbone(tok), model.hidden_states(tok), atol=1e-3)
-
-
-def test_value_model_own_init_and_grad():
-    cfg = ModelConfig.tiny(vocab_size=V, num_layers=2)
-    vm = ValueModel(cfg, rngs=nnx.Rngs(1), head_init_std=0.02)
-    tok = _tokens()
-    mask = jnp.array([[1] * 12, [1] * 6 + [0] * 6])
-    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(tok, attention_mask=mask) ** 2)))(vm)
-    g = grads.head[...]
-    assert g.shape == (128,) and np.abs(np.asarray(g)).max() > 0
-
-
 def test_remat_gives_same_gradients():
-    cfg = ModelConfig.tiny(vocab_size=V, num_layers=2)
-    tok = _tokens()
+    cfg = ModelConfig.tiny(vocab_size=V, num_layers=1)
+    tok = _tokens(2, 6)
     grads = []
     for remat in (False, True):
         m = Transformer(dataclasses.replace(cfg, remat=remat), rngs=nnx.Rngs(0))

@@ -79,20 +79,33 @@ def test_batch_deadline_bounds_the_call() -> None:
         assert g.grade([r"\boxed{1}"], ["1"]).reasons == ["ok"]
 
 
+def _grade_and_kill(g: MathGrader, comps: list[str], answers: list[str]) -> dict:
+    """Grade in a thread and SIGKILL the (single) busy worker mid-item, like a segfault/OOM."""
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.setdefault("r", g.grade(comps, answers)))
+    th.start()
+    time.sleep(0.5)
+    os.kill(g.worker_pids()[0], signal.SIGKILL)
+    th.join(timeout=10)
+    return out
+
+
 def test_crashed_worker_scores_zero_and_is_replaced() -> None:
-    with MathGrader(num_workers=2, item_timeout_s=20.0, mv_timeout_s=None) as g:
+    with MathGrader(num_workers=1, item_timeout_s=20.0, mv_timeout_s=None, crash_retries=0) as g:
         pids = g.worker_pids()
-        out: dict = {}
-        th = threading.Thread(target=lambda: out.setdefault("r", g.grade([HANG], ["3"])))
-        th.start()
-        time.sleep(0.5)
-        for pid in pids:  # simulate a segfault / OOM kill of the busy worker
-            os.kill(pid, signal.SIGKILL)
-        th.join(timeout=10)
+        out = _grade_and_kill(g, [HANG], ["3"])
         assert out["r"].reasons == ["crash"] and out["r"].counts["crash"] == 1
         assert g.grade([r"\boxed{2}", r"\boxed{3}"], ["2", "3"]).counts["ok"] == 2
         assert set(g.worker_pids()).isdisjoint(pids)
-        assert g.stats["died"] == 2
+        assert g.stats["died"] == 1
+
+
+def test_crashed_item_is_retried_on_a_fresh_worker() -> None:
+    with MathGrader(num_workers=1, item_timeout_s=1.5, mv_timeout_s=None, crash_retries=1) as g:
+        out = _grade_and_kill(g, [HANG, r"\boxed{1}"], ["3", "1"])
+        # The retry hangs again and is then ended by the item timeout, not reported as a crash.
+        assert out["r"].reasons == ["timeout", "ok"]
+        assert g.stats["died"] == 1 and g.stats["killed"] == 1
 
 
 def test_workers_are_recycled() -> None:

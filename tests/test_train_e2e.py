@@ -41,3 +41,20 @@ def test_smoke_train_then_resume(tmp_path):
     assert "warm-start (SFT)" not in r.stderr
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in rows] == [1, 2, 3, 4, 5, 6]
+
+    # The run's tools: plots, evaluation, HF export (loadable by from_pretrained).
+    r = _tppo("plot", str(run), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (run / "metrics_vs_step.png").stat().st_size > 1000
+    r = _tppo("eval", str(run), "-k", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((run / "eval_6.json").read_text())
+    assert 0.0 <= res["avg@2"] <= res["pass@2"] <= 100.0 and res["questions"] > 0
+    r = _tppo("export", str(run), str(tmp_path / "hf"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from tppo_jax.models.hf import from_pretrained
+    from tppo_jax.models.tokenizer import Tokenizer
+
+    model = from_pretrained(tmp_path / "hf")
+    tok = Tokenizer.load(tmp_path / "hf")
+    assert model.config.vocab_size == tok.vocab_size

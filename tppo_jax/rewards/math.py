@@ -175,6 +175,8 @@ class MathGrader:
       item_timeout_s: wall-clock limit per item, measured from dispatch to a worker.
       batch_deadline_s: wall-clock limit per ``grade`` call.
       max_tasks_per_child: recycle a worker after this many items (bounds sympy cache growth).
+      crash_retries: re-grade an item on a fresh worker this often if its worker dies (an OOM
+        kill or a race with an unrelated death should not cost a sample its reward).
       correct_reward, wrong_reward: reward values (e.g. 1/0 or 1/-1).
       no_answer_reward: reward for a missing/unparsable answer (default: ``wrong_reward``).
       error_reward: reward for ``timeout``/``crash`` items.
@@ -201,6 +203,7 @@ class MathGrader:
         mv_timeout_s: int | None = 1,
         mp_context: str | None = None,
         startup_timeout_s: float = 60.0,
+        crash_retries: int = 1,
     ) -> None:
         if num_workers < 0 or item_timeout_s <= 0 or batch_deadline_s <= 0:
             raise ValueError("num_workers >= 0 and positive timeouts required")
@@ -224,6 +227,7 @@ class MathGrader:
         }
         self._ctx = _context(mp_context)
         self._startup_timeout_s = startup_timeout_s
+        self.crash_retries = crash_retries
         # Lifetime counters, for logs and tests.
         self.stats = {"started": 0, "recycled": 0, "killed": 0, "died": 0}
         self._workers: list[_Worker] = []
@@ -247,12 +251,12 @@ class MathGrader:
         self.stats["started"] += 1
         return _Worker(proc, parent)
 
-    def _replace(self, i: int, *, kill: bool) -> None:
+    def _replace(self, i: int, why: str) -> None:
+        """Retire worker ``i`` (``why``: ``killed`` | ``died`` | ``recycled``) and start another."""
         w = self._workers[i]
-        if kill:
-            if w.proc.is_alive():  # a dead worker is counted under "died" by the caller
-                self.stats["killed"] += 1
-            w.proc.kill()
+        self.stats[why] += 1
+        if why != "recycled":
+            w.proc.kill()  # a no-op on a dead process
         else:
             with contextlib.suppress(OSError):  # graceful: the worker exits after its loop
                 w.conn.send(None)
@@ -277,7 +281,7 @@ class MathGrader:
             if self._startup_failures > 3 * self.num_workers:  # broken env: fail loudly
                 raise RuntimeError("grading workers keep dying during start-up")
             for conn in wait([w.conn for w in self._workers], timeout=left):
-                self._on_message(conn, [])
+                self._on_message(conn, [], deque(), {})
         return True
 
     def worker_pids(self) -> list[int | None]:
@@ -294,8 +298,7 @@ class MathGrader:
             raise RuntimeError("MathGrader is closed")
         for i, w in enumerate(self._workers):  # replace workers that died while idle
             if w.task is None and not w.proc.is_alive():
-                self.stats["died"] += 1
-                self._replace(i, kill=False)
+                self._replace(i, "died")
         if self.num_workers and completions and not any(w.ready for w in self._workers):
             # Every worker is being replaced (e.g. after a deadline kill): start-up time is not
             # grading time, so wait for one warm worker before the batch clock starts.
@@ -318,6 +321,7 @@ class MathGrader:
         n = len(completions)
         reasons: list[str | None] = [None] * n
         pending = deque(range(n))
+        crashes: dict[int, int] = {}
         deadline = t0 + self.batch_deadline_s
         while pending or any(w.task is not None for w in self._workers):
             now = time.monotonic()
@@ -335,33 +339,38 @@ class MathGrader:
             # A dead worker's pipe reads EOF, so deaths (busy, idle or starting) land here too.
             conns = [w.conn for w in self._workers]
             for conn in wait(conns, timeout=max(0.0, wake - time.monotonic())):
-                self._on_message(conn, reasons)
+                self._on_message(conn, reasons, pending, crashes)
             now = time.monotonic()
             for i, w in enumerate(self._workers):
                 if w.task is not None and now - w.started > self.item_timeout_s:
                     reasons[w.task] = "timeout"
-                    self._replace(i, kill=True)
+                    self._replace(i, "killed")
             if now >= deadline:
                 for i, w in enumerate(self._workers):
                     if w.task is not None:
                         reasons[w.task] = "timeout"
-                        self._replace(i, kill=True)
+                        self._replace(i, "killed")
                 for idx in pending:
                     reasons[idx] = "timeout"
                 break
         return [r if r is not None else "timeout" for r in reasons]
 
-    def _on_message(self, conn: Connection, reasons: list[str | None]) -> None:
+    def _on_message(
+        self, conn: Connection, reasons: list[str | None], pending: deque, crashes: dict[int, int]
+    ) -> None:
         i = next(k for k, w in enumerate(self._workers) if w.conn is conn)
         w = self._workers[i]
         try:
             msg = conn.recv()
         except (EOFError, OSError):  # the worker process died (segfault, OOM kill, ...)
             if w.task is not None:
-                reasons[w.task] = "crash"
+                crashes[w.task] = crashes.get(w.task, 0) + 1
+                if crashes[w.task] > self.crash_retries:
+                    reasons[w.task] = "crash"
+                else:
+                    pending.appendleft(w.task)
             self._startup_failures += not w.ready
-            self.stats["died"] += 1
-            self._replace(i, kill=True)
+            self._replace(i, "died")
             return
         if msg[0] == "ready":
             w.ready = True
@@ -372,8 +381,7 @@ class MathGrader:
         w.task = None
         w.done += 1
         if w.done >= self.max_tasks_per_child:
-            self.stats["recycled"] += 1
-            self._replace(i, kill=False)
+            self._replace(i, "recycled")
 
     def _result(self, reasons: list[str], elapsed: float) -> GradeResult:
         counts = dict.fromkeys(REASONS, 0)
