@@ -36,7 +36,7 @@ def test_successive_batching_invariants(kv):
         assert np.all(rb.window_index < s.K)  # no sequence exceeds K windows
         if prev is not None:
             # A continuation keeps its slot; its context grew by exactly its window tokens.
-            cont = ~prev_finished
+            cont = ~prev.finished
             assert np.all(rb.window_start[cont] == prev.total_len[cont])
             for r in np.flatnonzero(cont):
                 a = prev.total_len[r]
@@ -55,7 +55,7 @@ def test_successive_batching_invariants(kv):
         eos = np.array([rb.tokens[r, rb.total_len[r] - 1] == EOS for r in range(s.B)])
         np.testing.assert_array_equal(rb.finished, eos | (resp >= 24))
         assert np.all(rb.window_len[~rb.finished] == 8)
-        prev, prev_finished = rb, rb.finished.copy()
+        prev = rb
         s.release_finished(rb.finished)
 
 

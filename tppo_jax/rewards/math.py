@@ -230,12 +230,10 @@ class MathGrader:
         self.crash_retries = crash_retries
         # Lifetime counters, for logs and tests.
         self.stats = {"started": 0, "recycled": 0, "killed": 0, "died": 0}
-        self._workers: list[_Worker] = []
         self._retired: list[Any] = []
         self._closed = False
         self._startup_failures = 0
-        for _ in range(num_workers):
-            self._workers.append(self._spawn())
+        self._workers: list[_Worker] = [self._spawn() for _ in range(num_workers)]
         if num_workers and not self._wait_warm(startup_timeout_s, every=True):
             self.close()
             raise TimeoutError("grading workers did not start in time")
@@ -243,9 +241,7 @@ class MathGrader:
     # -------------------------------------------------------------------- worker management
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=_worker_main, args=(child, self.grade_kw), daemon=True
-        )
+        proc = self._ctx.Process(target=_worker_main, args=(child, self.grade_kw), daemon=True)
         proc.start()
         child.close()  # so the parent sees EOF when the worker dies
         self.stats["started"] += 1
@@ -262,14 +258,10 @@ class MathGrader:
                 w.conn.send(None)
         w.conn.close()
         self._retired.append(w.proc)
-        self._reap()
-        self._workers[i] = self._spawn()
-
-    def _reap(self) -> None:
-        """Join finished retired processes without blocking."""
-        for p in self._retired:
+        for p in self._retired:  # reap exited ones without blocking
             p.join(timeout=0)
         self._retired = [p for p in self._retired if p.is_alive()]
+        self._workers[i] = self._spawn()
 
     def _wait_warm(self, timeout_s: float, *, every: bool) -> bool:
         """Wait until every (or any) worker is warm; dead ones are replaced meanwhile."""

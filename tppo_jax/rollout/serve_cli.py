@@ -1,0 +1,208 @@
+"""``tppo serve`` / ``tppo generate`` / ``tppo bench``: the engine behind JetStream's gRPC API.
+
+``tppo serve`` with no arguments serves the default run's latest warm-started policy
+(``runs/warmstart-*/policy`` + ``tokenizer.model``), or, if there is none, a freshly
+initialised tiny model (random weights: gibberish output) with a tokenizer trained on a few
+synthetic lines. ``tppo generate --port P "text"`` streams one completion from a server.
+
+Register with ``serve_cli.register(register_fn)`` (see ``tppo_jax.cli.register``); also
+runnable as ``python -m tppo_jax.rollout.serve_cli serve|generate|bench ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("tppo.serve")
+DEFAULT_PORT = 9000
+
+
+def _prefill_bucket(n: int) -> int:
+    from tppo_jax.rollout.engine import PREFILL_BUCKETS
+
+    return next((b for b in PREFILL_BUCKETS if b >= n), PREFILL_BUCKETS[-1])
+
+
+def latest_warmstart(root: Path = Path("runs")) -> Path | None:
+    """The newest ``runs/warmstart-*`` with a finished export (policy/ + tokenizer.model)."""
+    done = [d for d in root.glob("warmstart-*")
+            if (d / "DONE").exists() and (d / "policy").is_dir() and (d / "tokenizer.model").exists()]
+    return max(done, key=lambda d: (d / "DONE").stat().st_mtime, default=None)
+
+
+def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
+                       ) -> tuple[Any, Any, str, str]:
+    """Returns ``(model, tokenizer, tokenizer_path, description)``."""
+    from tppo_jax.models.hf import from_pretrained
+    from tppo_jax.models.tokenizer import Tokenizer
+
+    ckpt = Path(checkpoint) if checkpoint else None
+    if ckpt is None and cfg.model.source == "hf" and cfg.model.path:
+        ckpt = Path(cfg.model.path)
+    if ckpt is None and (ws := latest_warmstart()) is not None:
+        ckpt = ws / "policy"
+    if ckpt is not None:
+        tok_dir = next((d for d in (ckpt, ckpt.parent) if any(
+            (d / n).exists() for n in ("tokenizer.json", "tokenizer.model"))), None)
+        if tok_dir is None:
+            raise FileNotFoundError(f"no tokenizer.json / tokenizer.model in {ckpt} or its parent")
+        tok = Tokenizer.load(tok_dir)
+        path = tok_dir / ("tokenizer.model" if (tok_dir / "tokenizer.model").exists()
+                          else "tokenizer.json")
+        return from_pretrained(ckpt, dtype=cfg.model.dtype), tok, str(path), str(ckpt)
+
+    from tppo_jax.data.synthetic import SyntheticMathTask
+    from tppo_jax.models.tokenizer import train_sentencepiece
+    from tppo_jax.models.transformer import create_model
+    from tppo_jax.train.warmstart import tiny_model_config
+
+    banner = "!" * 78
+    msg = ("no checkpoint and no runs/warmstart-*/policy found: serving a FRESHLY INITIALISED "
+           "tiny model (random weights, gibberish output). Run `tppo train` or pass "
+           "--checkpoint DIR for a real policy.")
+    print(f"{banner}\nWARNING: {msg}\n{banner}", file=sys.stderr, flush=True)
+    texts = SyntheticMathTask(seed=0).teacher_corpus(300, 0.0, 0.0)
+    tok = train_sentencepiece(texts, scratch / "tokenizer", vocab_size=128)
+    model = create_model(tiny_model_config(cfg, tok.vocab_size), seed=0)
+    return model, tok, str(scratch / "tokenizer.model"), "fresh tiny model (random weights)"
+
+
+# ---------------------------------------------------------------------------------- serve
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="YAML file or shipped config name")
+    p.add_argument("--checkpoint", default=None,
+                   help="HF-format policy directory (tokenizer beside it or in its parent)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = any free port")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1 only)")
+    p.add_argument("--slots", type=int, default=8, help="concurrent decodes")
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--verbose", action="store_true", help="log every JetStream step")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tppo_jax.compat.jetstream import LOOPBACK_HOST
+    from tppo_jax.config import load_config
+    from tppo_jax.rollout.engine import TPPOEngine
+    from tppo_jax.rollout.generate import SamplingParams
+    from tppo_jax.rollout.server import EngineServer
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s", force=True)
+    cfg = load_config(args.config, [])
+    r = cfg.rollout
+    scratch = Path(tempfile.mkdtemp(prefix="tppo-serve-"))
+    try:
+        model, tok, tok_path, what = load_serving_model(args.checkpoint, cfg, scratch)
+        prefill = _prefill_bucket(r.max_prompt_len)
+        engine = TPPOEngine(
+            model, tok, max_slots=args.slots, page_size=args.page_size or r.page_size,
+            max_target_length=max(prefill, r.max_prompt_len) + r.max_response_len,
+            max_prefill_length=prefill, tokenizer_path=tok_path, strict_insert=False,
+            num_pages=r.num_pages or None,
+            sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
+        server = EngineServer(engine, host=args.host or LOOPBACK_HOST, port=args.port).start()
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        print(f"READY serving {what} on {server.host}:{server.port} "
+              f"({engine.max_concurrent_decodes} slots, {engine.pages_total} KV pages)",
+              flush=True)
+        stop.wait()
+        print("stopping", flush=True)
+        server.stop()
+        print("stopped", flush=True)
+        return 0
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------- generate
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", nargs="?", default="", help="prompt text")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--token-ids", default=None,
+                   help="comma-separated prompt token ids instead of text")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    import tppo_jax.compat.jetstream  # noqa: F401
+    from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+
+    req = jetstream_pb2.DecodeRequest(max_tokens=args.max_tokens)
+    if args.token_ids is not None:
+        ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
+        req.token_content.CopyFrom(jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids))
+    else:
+        req.text_content.CopyFrom(jetstream_pb2.DecodeRequest.TextContent(text=args.prompt))
+    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
+        stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+        try:
+            for resp in stub.Decode(req, timeout=args.timeout):
+                for s in resp.stream_content.samples:
+                    out = s.text if args.token_ids is None else " ".join(map(str, s.token_ids))
+                    print(out, end="" if args.token_ids is None else " ", flush=True)
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------- bench
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("what", choices=["decode"], help="which benchmark")
+    p.add_argument("--batches", default="8,32,64", help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--out", default="results/decode_bench.json")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        from benchmarks import decode
+    except ImportError:
+        print("tppo bench: run from the repository root (benchmarks/ not found)",
+              file=sys.stderr)
+        return 2
+    return decode.run(args)
+
+
+def register(register_fn: Callable[..., None]) -> None:
+    """Adds ``serve``, ``generate`` and ``bench`` via ``register_fn(name, help, add, run)``."""
+    register_fn("serve", "serve the policy over JetStream gRPC (loopback by default)",
+                _serve_args, cmd_serve)
+    register_fn("generate", "stream a completion from a running `tppo serve`",
+                _generate_args, cmd_generate)
+    register_fn("bench", "benchmarks (`tppo bench decode`: paged vs dense decode)",
+                _bench_args, cmd_bench)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tppo")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_text: str, add_args: Callable, run: Callable) -> None:
+        p = sub.add_parser(name, help=help_text)
+        add_args(p)
+        p.set_defaults(_run=run)
+
+    register(add)
+    args = parser.parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
