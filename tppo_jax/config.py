@@ -47,7 +47,7 @@ class RolloutConfig:
 
     prompts_per_step: int = 8
     group_size: int = 4  # G samples per prompt; slots B = prompts_per_step * group_size
-    max_prompt_len: int = 64
+    max_prompt_len: int = 96
     max_response_len: int = 128  # L
     window: int = 32  # l
     temperature: float = 1.0

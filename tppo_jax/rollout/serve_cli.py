@@ -95,7 +95,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tppo_jax.rollout.generate import SamplingParams
     from tppo_jax.rollout.server import EngineServer
 
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+    # JetStream logs every decode step at INFO on the root logger; keep that for --verbose.
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", force=True)
     cfg = load_config(args.config, [])
     r = cfg.rollout

@@ -125,6 +125,16 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     tok = models.tokenizer
     train_rows, eval_rows, fmt = load_data(cfg)
     encode = lambda e: tok.encode(fmt(e))  # noqa: E731
+    # A truncated prompt loses its question, so over-long prompts are skipped, not cut.
+    fits = [e for e in train_rows if len(encode(e)) <= r.max_prompt_len]
+    if len(fits) < len(train_rows):
+        log.warning("data: skipped %d of %d prompts longer than rollout.max_prompt_len=%d",
+                    len(train_rows) - len(fits), len(train_rows), r.max_prompt_len)
+    if not fits:
+        raise ConfigError(f"every prompt is longer than rollout.max_prompt_len="
+                          f"{r.max_prompt_len} tokens")
+    train_rows = fits
+    eval_rows = [e for e in eval_rows if len(encode(e)) <= r.max_prompt_len] or eval_rows
     pipeline = PromptPipeline(train_rows, batch_size=1, seed=cfg.data.seed,
                               shard_index=jax.process_index(), shard_count=jax.process_count())
     prompts = (b[0] for b in pipeline)

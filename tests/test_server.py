@@ -1,0 +1,79 @@
+"""`tppo serve` end to end: stream a decode over gRPC, reject malformed requests, stop cleanly.
+
+The server runs in a subprocess: JetStream's worker threads SIGKILL their own process on any
+exception, which must never take pytest down with it.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import tppo_jax.compat.jetstream  # noqa: F401
+from jetstream.core.proto import jetstream_pb2
+from tppo_jax.rollout.serve_cli import main
+from tppo_jax.rollout.server import validate_request
+
+
+def test_validate_request():
+    req = jetstream_pb2.DecodeRequest
+    ok = req(max_tokens=4, token_content=req.TokenContent(token_ids=[1, 2]))
+    assert validate_request(ok, 10) is None
+    assert "vocabulary" in validate_request(
+        req(max_tokens=4, token_content=req.TokenContent(token_ids=[1, 10])), 10)
+    assert "empty" in validate_request(req(max_tokens=4, token_content=req.TokenContent()), 10)
+    assert "empty" in validate_request(req(max_tokens=4, text_content=req.TextContent()), 10)
+    assert "max_tokens" in validate_request(req(max_tokens=0, text_content=req.TextContent(
+        text="hi")), 10)
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A `serve` subprocess (fresh tiny model: cwd has no runs/) on a free loopback port."""
+    log = tmp_path / "server.log"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tppo_jax.rollout.serve_cli", "serve", "--port", "0",
+             "--slots", "4"], cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        port = None
+        deadline = time.time() + 180
+        while port is None and time.time() < deadline and proc.poll() is None:
+            for line in log.read_text().splitlines():
+                if line.startswith("READY"):
+                    port = int(line.split()[-6].rsplit(":", 1)[1])
+            time.sleep(0.5)
+        assert port is not None, f"server did not start:\n{log.read_text()[-3000:]}"
+        yield proc, port, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_serve_stream_reject_and_stop(server, capsys):
+    proc, port, log = server
+    assert main(["generate", "--port", str(port), "--max-tokens", "12", "Q: 1+2?"]) == 0
+    first = capsys.readouterr().out
+    assert first.strip(), "no tokens streamed"
+
+    assert main(["generate", "--port", str(port), "--token-ids", "5,100000"]) == 1
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+    assert main(["generate", "--port", str(port), ""]) == 1
+    assert "empty prompt" in capsys.readouterr().err
+
+    # Still serving: a second good request (token ids in, token ids out).
+    assert main(["generate", "--port", str(port), "--token-ids", "5,6,7", "--max-tokens",
+                 "6"]) == 0
+    ids = capsys.readouterr().out.split()
+    assert 1 <= len(ids) <= 6 and all(0 <= int(i) < 100000 for i in ids)
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, Path(log).read_text()[-3000:]
+    text = log.read_text()
+    assert "stopped" in text and "Traceback" not in text
