@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import tppo_jax.compat.jetstream  # noqa: F401
+import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
+
+# isort: split
 from jetstream.engine import token_utils
+
 from tppo_jax.models.transformer import ModelConfig, Transformer
 from tppo_jax.rollout.engine import PoolExhaustedError, TPPOEngine, TPPOResultTokens
 from tppo_jax.rollout.generate import SamplingParams
@@ -83,7 +86,7 @@ def test_generate_matches_full_forward(engine, reference, eos):
     params = engine.load_params()
     version = engine.version
     ds = engine.init_decode_state()
-    for slot, p in zip([1, 3], PROMPTS):  # arbitrary slots
+    for slot, p in zip([1, 3], PROMPTS, strict=True):  # arbitrary slots
         ds = engine.insert(_prefix(engine, params, p), ds, slot)
     assert engine.pages_in_use(ds) == 1 + 3  # 4 and 10 cached tokens, 4 per page
     got = {1: ([], [], []), 3: ([], [], [])}
@@ -92,18 +95,18 @@ def test_generate_matches_full_forward(engine, reference, eos):
         res = res.convert_to_numpy()
         assert isinstance(res, TPPOResultTokens)
         lp, ver = res.logprobs(), res.versions()
-        for slot, (t, l, v) in got.items():
+        for slot, (t, lp_, v) in got.items():
             sd = res.get_result_at_slot(slot)
             if sd.valid[0, 0]:
                 assert sd.lengths[0] == len(t) + 1
                 t.append(int(sd.tokens[0, 0]))
-                l.append(float(lp[slot, 0]))
+                lp_.append(float(lp[slot, 0]))
                 v.append(int(ver[slot, 0]))
         if not bool(np.asarray(ds.live).any()):
             break
-    for (toks, lps), (t, l, v) in zip(_expected(reference, eos), got.values()):
+    for (toks, lps), (t, lp_, v) in zip(_expected(reference, eos), got.values(), strict=True):
         assert t == toks
-        np.testing.assert_allclose(l, lps, atol=1e-4)
+        np.testing.assert_allclose(lp_, lps, atol=1e-4)
         assert set(v) == {version}
     assert engine.pages_in_use(ds) == 0  # finished slots gave their pages back
 

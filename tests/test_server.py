@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
-import tppo_jax.compat.jetstream  # noqa: F401
+import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
+
+# isort: split
 from jetstream.core.proto import jetstream_pb2
+
 from tppo_jax.rollout.serve_cli import main
 from tppo_jax.rollout.server import validate_request
 

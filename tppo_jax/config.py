@@ -151,6 +151,8 @@ class TrainConfig:
     steps: int = 40
     seed: int = 0
     eval_every: int = 0  # 0 = only before and after
+    target_accuracy: float | None = None  # stop once held-out avg@1 (percent) reaches it
+    time_budget_s: float | None = None  # stop after this much training wall-clock
     warmstart_steps: int = 600  # supervised steps on the teacher corpus (tiny model)
     warmstart_lr: float = 3e-3
     warmstart_batch: int = 32
@@ -344,7 +346,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
                  "train.steps": cfg.train.steps, "algo.nll_coef": a.nll_coef,
                  "algo.window_ignore_tokens": a.window_ignore_tokens,
                  "algo.critic_warmup_steps": a.critic_warmup_steps,
-                 "rollout.num_pages": r.num_pages, "rollout.top_k": r.top_k}.items():
+                 "rollout.num_pages": r.num_pages, "rollout.top_k": r.top_k,
+                 "train.eval_every": cfg.train.eval_every}.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")
     if r.window < r.max_response_len and r.max_response_len % r.window:

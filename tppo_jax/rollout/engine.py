@@ -25,8 +25,11 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import tppo_jax.compat.jetstream  # noqa: F401  (must precede every jetstream import)
-from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
+import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
+
+# isort: split
+from jetstream.engine import engine_api, tokenizer_pb2
+
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.rollout import pages as pg
 from tppo_jax.rollout.generate import SamplingParams
@@ -130,43 +133,6 @@ class WindowResult(NamedTuple):
     steps: Array
 
 
-class JetStreamTokenizer(tokenizer_api.Tokenizer):
-    """Adapts ``models.tokenizer.Tokenizer`` to JetStream's tokenizer interface."""
-
-    def __init__(self, tok: Tokenizer, eos_id: int | None = None) -> None:
-        self.tok = tok
-        self._eos = tok.eos_id if eos_id is None else eos_id
-
-    def encode(self, s: str, is_bos: bool = True, max_prefill_length: int | None = None,
-               jax_padding: bool = True, **kwargs: Any) -> tuple[Any, int]:
-        ids = np.asarray(self.tok.encode(s), np.int32)
-        return token_utils.pad_tokens(ids, self.bos_id, self.pad_id, is_bos=is_bos,
-                                      max_prefill_length=max_prefill_length,
-                                      jax_padding=jax_padding)
-
-    def decode(self, token_ids: list[int], **kwargs: Any) -> str:
-        if self.tok.backend == "sentencepiece" and len(token_ids) == 1:
-            # Streaming one piece at a time: decode() would drop the word-initial space.
-            return self.tok._impl.id_to_piece(int(token_ids[0])).replace("\u2581", " ")
-        return self.tok.decode(token_ids)
-
-    @property
-    def pad_id(self) -> int:
-        return 0 if self.tok.pad_id is None else self.tok.pad_id
-
-    @property
-    def eos_id(self) -> int:
-        return -1 if self._eos is None else int(self._eos)
-
-    @property
-    def bos_id(self) -> int:
-        return self.pad_id if self.tok.bos_id is None else self.tok.bos_id
-
-    @property
-    def stop_tokens(self) -> set[int]:
-        return {self.eos_id}  # the engine stops on EOS only; pad is a normal token
-
-
 def _row_keys(rng: Array, steps: Array, seq_id: Array) -> Array:
     """[S] keys fold_in(fold_in(rng, step_s), seq_id_s) (the ``sampling.slot_keys`` rule,
     with a per-row step = tokens the sequence already generated)."""
@@ -191,7 +157,7 @@ class TPPOEngine(engine_api.Engine):
 
     def __init__(self, model: nnx.Module, tokenizer: Tokenizer, *, max_slots: int = 8,
                  page_size: int = 16, max_target_length: int = 512, num_pages: int | None = None,
-                 max_prefill_length: int = 128, sampling: SamplingParams = SamplingParams(),
+                 max_prefill_length: int = 128, sampling: SamplingParams | None = None,
                  eos_id: int | None = None, seed: int = 0, mesh: Mesh | None = None,
                  attn_impl: str = "auto", tokenizer_path: str = "",
                  strict_insert: bool = True) -> None:
@@ -202,7 +168,7 @@ class TPPOEngine(engine_api.Engine):
         self.config = model.config
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
-        self.sampling = sampling
+        self.sampling = sampling or SamplingParams()
         self.eos_id = int(tokenizer.eos_id if eos_id is None else eos_id)
         self.page_size = page_size
         self.max_pages_per_slot = -(-max_target_length // page_size)
@@ -258,8 +224,10 @@ class TPPOEngine(engine_api.Engine):
     def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
         return tokenizer_pb2.TokenizerParameters(path=self.tokenizer_path)
 
-    def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters
-                        ) -> JetStreamTokenizer:
+    def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> Any:
+        """A ``server.JetStreamTokenizer`` over our tokenizer, stopping on ``eos_id``."""
+        from tppo_jax.rollout.server import JetStreamTokenizer
+
         return JetStreamTokenizer(self.tokenizer, self.eos_id)
 
     # ------------------------------------------------------------------ params / state

@@ -34,8 +34,8 @@ def _prefill_bucket(n: int) -> int:
 
 def latest_warmstart(root: Path = Path("runs")) -> Path | None:
     """The newest ``runs/warmstart-*`` with a finished export (policy/ + tokenizer.model)."""
-    done = [d for d in root.glob("warmstart-*")
-            if (d / "DONE").exists() and (d / "policy").is_dir() and (d / "tokenizer.model").exists()]
+    need = ("DONE", "policy/config.json", "tokenizer.model")
+    done = [d for d in root.glob("warmstart-*") if all((d / n).exists() for n in need)]
     return max(done, key=lambda d: (d / "DONE").stat().st_mtime, default=None)
 
 
@@ -140,7 +140,9 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    import tppo_jax.compat.jetstream  # noqa: F401
+    import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
+
+    # isort: split
     from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
     req = jetstream_pb2.DecodeRequest(max_tokens=args.max_tokens)

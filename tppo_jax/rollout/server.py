@@ -17,16 +17,60 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from concurrent import futures
+from typing import Any
 
 import grpc
+import numpy as np
 
-import tppo_jax.compat.jetstream  # noqa: F401  (must precede every jetstream import)
+import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
+
+# isort: split
 from jetstream.core import orchestrator
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+from jetstream.engine import token_utils, tokenizer_api
+
 from tppo_jax.compat.jetstream import LOOPBACK_HOST
+from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.rollout.engine import EngineParams, TPPOEngine, quiet_jetstream_logging
 
 log = logging.getLogger(__name__)
+
+
+class JetStreamTokenizer(tokenizer_api.Tokenizer):
+    """Adapts ``models.tokenizer.Tokenizer`` to JetStream's tokenizer interface."""
+
+    def __init__(self, tok: Tokenizer, eos_id: int | None = None) -> None:
+        self.tok = tok
+        self._eos = tok.eos_id if eos_id is None else eos_id
+
+    def encode(self, s: str, is_bos: bool = True, max_prefill_length: int | None = None,
+               jax_padding: bool = True, **kwargs: Any) -> tuple[Any, int]:
+        ids = np.asarray(self.tok.encode(s), np.int32)
+        return token_utils.pad_tokens(ids, self.bos_id, self.pad_id, is_bos=is_bos,
+                                      max_prefill_length=max_prefill_length,
+                                      jax_padding=jax_padding)
+
+    def decode(self, token_ids: list[int], **kwargs: Any) -> str:
+        if self.tok.backend == "sentencepiece" and len(token_ids) == 1:
+            # Streaming one piece at a time: decode() would drop the word-initial space.
+            return self.tok._impl.id_to_piece(int(token_ids[0])).replace("\u2581", " ")
+        return self.tok.decode(token_ids)
+
+    @property
+    def pad_id(self) -> int:
+        return 0 if self.tok.pad_id is None else self.tok.pad_id
+
+    @property
+    def eos_id(self) -> int:
+        return -1 if self._eos is None else int(self._eos)
+
+    @property
+    def bos_id(self) -> int:
+        return self.pad_id if self.tok.bos_id is None else self.tok.bos_id
+
+    @property
+    def stop_tokens(self) -> set[int]:
+        return {self.eos_id}  # the engine stops on EOS only; pad is a normal token
 
 
 def validate_request(request: jetstream_pb2.DecodeRequest, vocab_size: int) -> str | None:

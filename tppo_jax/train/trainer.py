@@ -175,6 +175,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     t_start = time.time()
     bar = tqdm(range(start, cfg.train.steps), desc="T-PPO", disable=not progress,
                dynamic_ncols=True, initial=start, total=cfg.train.steps)
+    last_step = start
     try:
         for step in bar:
             t0 = time.time()
@@ -221,18 +222,30 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 "tokens_per_s": float(rb.window_len.sum()) / max(time.time() - t0, 1e-9),
             })
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", fin=len(fin))
+            last_step = step + 1
+            stop = False
+            tc = cfg.train
+            if tc.eval_every and (step + 1) % tc.eval_every == 0:
+                res = ev()
+                metrics.write(step + 1, {f"eval_{k}": v for k, v in res.items()})
+                stop = tc.target_accuracy is not None and res["avg@1"] >= tc.target_accuracy
+            if tc.time_budget_s is not None and time.time() - t_start >= tc.time_budget_s:
+                stop = True
             meta = {"step": step + 1, "data_state": pipeline.state_json(),
                     "scheduler": {k: v for k, v in sched.state_dict().items() if k != "slots"}}
-            is_last = step + 1 == cfg.train.steps
+            is_last = step + 1 == cfg.train.steps or stop
             ckpt.save(step + 1, {"policy": models.policy, "value": models.value,
                                  "policy_opt": opt_p, "value_opt": opt_v,
                                  "slots": sched.state.to_dict()}, meta, force=is_last)
+            if stop:
+                log.info("stopping at step %d (target accuracy or time budget reached)", step + 1)
+                break
         after = ev()
     finally:
         ckpt.close()
         metrics.close()
         grader.close()
-    summary = {"eval_before": before, "eval_after": after, "steps": cfg.train.steps,
+    summary = {"eval_before": before, "eval_after": after, "steps": last_step,
                "train_seconds": time.time() - t_start, "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
