@@ -146,7 +146,7 @@ def simulate_occupancy(lengths: np.ndarray, slots: int, window: int, max_len: in
 
 def run(args: argparse.Namespace) -> int:
     batches = [int(x) for x in str(args.batches).split(",")]
-    new, repeats = int(args.new_tokens), int(getattr(args, "repeats", 2))
+    new, repeats = int(args.new_tokens), int(getattr(args, "repeats", 3))
     model = create_model(ModelConfig.tiny(vocab_size=128), seed=0)
     rng = np.random.default_rng(0)
     rows: list[dict[str, Any]] = []
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="8,32,64")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="results/decode_bench.json")
     return run(p.parse_args(argv))
 

@@ -157,6 +157,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHMARKS = {"tppo-vs-ppo": "tppo_vs_ppo", "decode": "decode", "intensity": "intensity"}
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    mod = importlib.import_module(f"tppo_jax.benchmarks.{BENCHMARKS[args.name]}")
+    parser = argparse.ArgumentParser(prog=f"tppo bench {args.name}", description=mod.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    mod.add_args(parser)
+    mod.run(parser.parse_args(args.args))
+    return 0
+
+
 def register_all(register: Callable) -> None:
     register("train", "run T-PPO training (no arguments: the embedded CPU default)",
              _train_args, cmd_train)
@@ -167,6 +186,7 @@ def register_all(register: Callable) -> None:
              cmd_eval)
     register("export", "export a run's policy as Hugging Face safetensors", _export_args,
              cmd_export)
+    register("bench", "benchmarks: tppo-vs-ppo | decode | intensity", _bench_args, cmd_bench)
 
 
 if __name__ == "__main__":

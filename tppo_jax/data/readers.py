@@ -8,7 +8,9 @@ Supported shapes:
 - ``gsm8k``: ``question`` + ``answer`` whose last line is ``#### N``.
 - ``math``: MATH / AIME style ``problem`` + ``solution`` containing ``\\boxed{...}``, or an explicit
   ``answer`` field (preferred when present).
-- ``generic``: ``question`` + ``answer`` (+ optional ``solution``), fully configurable.
+- ``generic``: ``question`` + ``answer`` (+ optional ``solution``), fully configurable: every
+  field may be renamed (any key, dotted paths for nested keys) through ``fields``.
+- ``mathqa`` / ``svamp`` / ``asdiv``: see :mod:`tppo_jax.data.readers_extra`.
 
 A malformed row raises :class:`DataError` naming the file, the line (JSONL, 1-based) or row index
 (Parquet, 0-based) and the problem; with ``on_bad_row="skip"`` it is logged and listed in the
@@ -27,7 +29,7 @@ from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
 
-Format = Literal["dapo", "gsm8k", "math", "generic"]
+Format = Literal["dapo", "gsm8k", "math", "generic", "mathqa", "svamp", "asdiv"]
 OnBadRow = Literal["error", "skip"]
 
 
@@ -67,6 +69,13 @@ DEFAULT_FIELDS: dict[str, dict[str, str | None]] = {
     "gsm8k": {"question": "question", "answer": "answer", "solution": None, "id": None},
     "math": {"question": "problem", "answer": "answer", "solution": "solution", "id": None},
     "generic": {"question": "question", "answer": "answer", "solution": "solution", "id": "id"},
+    # Extra formats (parsed in readers_extra). MathQA's "answer" is the correct option's letter.
+    "mathqa": {"question": "Problem", "answer": "correct", "options": "options",
+               "solution": "Rationale", "id": None},
+    "svamp": {"question": "Question", "body": "Body", "answer": "Answer", "solution": "Equation",
+              "id": "ID"},
+    "asdiv": {"question": "question", "body": "body", "answer": "answer", "solution": "formula",
+              "id": "id"},
 }
 
 
@@ -172,8 +181,14 @@ def parse_row(
         except KeyError:
             return None
 
-    question = _as_text(need("question"), fields["question"] or "question", allow_chat=True)
     solution: str | None = None
+    if fmt in ("mathqa", "svamp", "asdiv"):
+        # Lazy import: readers_extra imports helpers from this module.
+        from tppo_jax.data.readers_extra import EXTRA_PARSERS
+
+        question, answer, solution = EXTRA_PARSERS[fmt](need, maybe, fields)
+        return _example(question, answer, solution, maybe("id"), row_id, source)
+    question = _as_text(need("question"), fields["question"] or "question", allow_chat=True)
     if fmt == "gsm8k":
         raw = _as_text(need("answer"), fields["answer"] or "answer")
         if "####" not in raw:
@@ -199,9 +214,14 @@ def parse_row(
         sol_val = maybe("solution")
         if sol_val is not None:
             solution = _as_text(sol_val, fields["solution"] or "solution")
+    return _example(question, answer, solution, maybe("id"), row_id, source)
+
+
+def _example(question: str, answer: str, solution: str | None, id_val: Any, row_id: str,
+             source: str) -> MathExample:
+    """Final checks shared by every format; a missing/empty id falls back to ``row_id``."""
     if not answer:
         raise ValueError("empty answer")
-    id_val = maybe("id")
     ex_id = str(id_val) if id_val is not None and id_val != "" else row_id
     return MathExample(id=ex_id, question=question, answer=answer, solution=solution,
                        source=source)
@@ -250,7 +270,8 @@ def read_examples(
       path: the file; the suffix picks the reader.
       format: row shape, see the module docstring.
       fields: overrides of the default field paths for ``format`` (keys ``question``, ``answer``,
-        ``solution``, ``id``; values are dotted paths or None to disable).
+        ``solution``, ``id``, plus ``body`` for svamp/asdiv and ``options`` for mathqa; values
+        are dotted paths or None to disable).
       on_bad_row: ``"error"`` raises :class:`DataError` on the first bad row; ``"skip"`` logs a
         warning per bad row and lists it in the report.
       source: tag stored on every example (default: the file name).

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,13 @@ from jetstream.engine import engine_api, tokenizer_pb2
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.rollout import pages as pg
 from tppo_jax.rollout.generate import SamplingParams
-from tppo_jax.rollout.paged_cache import PagedKVCache, init_pools
+from tppo_jax.rollout.paged_cache import (
+    DecodeState,
+    PagedKVCache,
+    Prefix,
+    WindowResult,
+    init_pools,
+)
 from tppo_jax.rollout.sampling import sample
 
 log = logging.getLogger(__name__)
@@ -69,35 +75,6 @@ class EngineParams:
 
 
 @struct.dataclass
-class Prefix:
-    """A prefilled prompt (batch 1). k/v: ``[L, P, Hkv, D]``; length: () tokens cached
-    (``true_length - 1``); next_token: () the prompt's last token, fed by the first step."""
-
-    k: Array
-    v: Array
-    length: Array
-    next_token: Array
-
-
-@struct.dataclass
-class DecodeState:
-    """Everything a decode step transforms. ``S`` slots, pools ``[L, Hkv, N, page_size, D]``.
-
-    next_token/generated: ``[S]`` int32; live: ``[S]`` bool; seq_id: ``[S]`` uint32 (RNG
-    stream per sequence); rng: raw ``uint32[2]`` key.
-    """
-
-    pages: pg.PageState
-    k: Array
-    v: Array
-    next_token: Array
-    live: Array
-    generated: Array
-    seq_id: Array
-    rng: Array
-
-
-@struct.dataclass
 class TPPOResultTokens(engine_api.ResultTokens):
     """JetStream ``ResultTokens`` (``data [S, 5]`` int32: token, valid, length, log-prob bits,
     policy version) with two extra column ranges; the orchestrator reads only the first three."""
@@ -116,21 +93,6 @@ class TPPOResultTokens(engine_api.ResultTokens):
     def versions(self) -> np.ndarray:
         """``[S, 1]`` int32 policy version that sampled each token."""
         return np.asarray(self.data[:, self.version_idx[0]:self.version_idx[1]])
-
-
-class WindowResult(NamedTuple):
-    """One ``generate_window`` call. tokens/logprobs: ``[S, W]`` (right-padded after count);
-    count: ``[S]``; hit_eos / finished (EOS or length cap; pages freed) / stalled (no pages
-    this window; still live): ``[S]`` bool; version, steps: () int32."""
-
-    tokens: Array
-    logprobs: Array
-    count: Array
-    hit_eos: Array
-    finished: Array
-    stalled: Array
-    version: Array
-    steps: Array
 
 
 def _row_keys(rng: Array, steps: Array, seq_id: Array) -> Array:

@@ -176,6 +176,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     bar = tqdm(range(start, cfg.train.steps), desc="T-PPO", disable=not progress,
                dynamic_ncols=True, initial=start, total=cfg.train.steps)
     last_step = start
+    train_time = 0.0  # wall-clock of training steps only (held-out evals excluded)
     try:
         for step in bar:
             t0 = time.time()
@@ -220,7 +221,9 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 "tokens": int(rb.window_len.sum()),
                 "time_rollout_s": t_roll, "time_grading_s": t_grade, "time_update_s": t_update,
                 "tokens_per_s": float(rb.window_len.sum()) / max(time.time() - t0, 1e-9),
+                "train_time_s": train_time + (time.time() - t0),
             })
+            train_time += time.time() - t0
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", fin=len(fin))
             last_step = step + 1
             stop = False

@@ -40,7 +40,7 @@ TEACHER_SIZE = 20000
 def warmstart_key(cfg: Config) -> str:
     blob = json.dumps({"model": asdict(cfg.model), "data": asdict(cfg.data),
                        "train": [cfg.train.warmstart_steps, cfg.train.warmstart_lr,
-                                 cfg.train.warmstart_batch, cfg.train.seed],
+                                 cfg.train.warmstart_batch],
                        "teacher": [TEACHER_WRONG_STEP_FRAC, TEACHER_NO_FORMAT_FRAC,
                                    TEACHER_SIZE], "v": 1}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -100,10 +100,11 @@ def warmstart(cfg: Config, cache_root: Path, *, progress: bool = True
     seq_len = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     ids, mask = encode_corpus(tok, texts, seq_len)
     mcfg = tiny_model_config(cfg, tok.vocab_size)
-    model = create_model(mcfg, seed=cfg.train.seed)
+    # Seeded by data.seed, not train.seed: RL runs with different seeds share one base model.
+    model = create_model(mcfg, seed=cfg.data.seed)
     opt = nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(
         0.0, cfg.train.warmstart_lr, 50, max(cfg.train.warmstart_steps, 51))), wrt=nnx.Param)
-    rng = np.random.default_rng(cfg.train.seed)
+    rng = np.random.default_rng(cfg.data.seed)
     bs = cfg.train.warmstart_batch
     bar = tqdm(range(cfg.train.warmstart_steps), desc="warm-start (SFT)", disable=not progress,
                dynamic_ncols=True)
