@@ -160,8 +160,15 @@ def cmd_export(args: argparse.Namespace) -> int:
 BENCHMARKS = {"tppo-vs-ppo": "tppo_vs_ppo", "decode": "decode", "intensity": "intensity"}
 
 
+def _available_benchmarks() -> list[str]:
+    import importlib.util
+
+    return sorted(n for n, m in BENCHMARKS.items()
+                  if importlib.util.find_spec(f"tppo_jax.benchmarks.{m}") is not None)
+
+
 def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
+    p.add_argument("name", choices=_available_benchmarks(), help="which benchmark")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
 
 
@@ -186,7 +193,11 @@ def register_all(register: Callable) -> None:
              cmd_eval)
     register("export", "export a run's policy as Hugging Face safetensors", _export_args,
              cmd_export)
-    register("bench", "benchmarks: tppo-vs-ppo | decode | intensity", _bench_args, cmd_bench)
+    register("bench", f"benchmarks: {' | '.join(_available_benchmarks())}", _bench_args,
+             cmd_bench)
+    from tppo_jax import launch_cli
+
+    launch_cli.register(register)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -223,12 +224,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "3e-5" (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
+        try:
+            out = float(value)
+        except OverflowError:  # an int too large for a float
+            out = math.inf
+        if not math.isfinite(out):  # NaN slips through every `<`/`>` check in validate()
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return out
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: expected a string, got {value!r}")
@@ -249,7 +256,8 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
             raise ConfigError(f"unknown config key {path!r}{_closest(str(key), names, prefix)}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value or {}, path)
+            # An empty YAML section (None) means defaults; `model=0` or `model=[]` is an error.
+            kwargs[key] = _build(tp, {} if value is None else value, path)
         else:
             kwargs[key] = _coerce(value, tp, path)
     return cls(**kwargs)
@@ -275,8 +283,12 @@ def parse_override(text: str) -> dict[str, Any]:
         raise ConfigError(f"override {text!r} has an empty key")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: cannot parse value ({e.problem})") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        # ReaderError (e.g. a NUL byte) has no .problem; ValueError: an int over Python's
+        # 4300-digit limit; RecursionError: nesting too deep for the YAML parser.
+        why = getattr(e, "problem", None) or str(e) or type(e).__name__
+        why = " ".join(str(why).split())[:200]  # one line
+        raise ConfigError(f"override {text!r}: cannot parse value ({why})") from None
     node: dict[str, Any] = {parts[-1]: value}
     for p in reversed(parts[:-1]):
         node = {p: node}
@@ -336,6 +348,8 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
         "algo.eps_low": a.eps_low, "algo.eps_high": a.eps_high, "algo.alpha": a.alpha,
         "optim.minibatches": o.minibatches, "optim.epochs": o.epochs,
         "model.hidden_size": cfg.model.hidden_size, "model.num_layers": cfg.model.num_layers,
+        "model.intermediate_size": cfg.model.intermediate_size,
+        "model.num_heads": cfg.model.num_heads, "model.num_kv_heads": cfg.model.num_kv_heads,
         "reward.item_timeout_s": cfg.reward.item_timeout_s,
         "reward.batch_deadline_s": cfg.reward.batch_deadline_s,
     }

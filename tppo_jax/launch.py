@@ -4,7 +4,7 @@
 queued resource, wait until it is up, copy the repo, install on every worker, start training on
 every worker, stream worker 0's log, copy results back, delete the TPU). ``render`` prints them
 as a shell script (``tppo launch --dry-run``); ``run_steps`` executes them with ``subprocess``,
-stopping at the first failure. Nothing here imports jax, so ``tppo launch`` starts instantly.
+stopping at the first failure. Nothing here imports jax.
 
 Multi-host: every worker of a slice runs the same ``tppo train`` command. On Cloud TPU, JAX
 discovers the slice by itself (the TPU runtime knows the hosts, and ``jax.distributed.initialize()``
@@ -309,6 +309,7 @@ def render(spec: LaunchSpec, steps: Sequence[Step]) -> str:
 
 
 Runner = Callable[[Sequence[str]], int]
+Capture = Callable[[Sequence[str]], tuple[int, str]]  # (exit code, stdout)
 
 
 def _subprocess_runner(argv: Sequence[str]) -> int:
@@ -316,42 +317,49 @@ def _subprocess_runner(argv: Sequence[str]) -> int:
     return subprocess.run(list(argv), check=False).returncode
 
 
-def _poll(step: Step, timeout_s: float, interval_s: float,
+def _subprocess_capture(argv: Sequence[str]) -> tuple[int, str]:
+    out = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+    return out.returncode, out.stdout
+
+
+def _poll(step: Step, capture: Capture, timeout_s: float, interval_s: float,
           sleep: Callable[[float], None] = time.sleep) -> None:
+    """Re-runs a describe command until it prints ``step.wait_for`` (or a failure state)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        out = subprocess.run(list(step.argv), capture_output=True, text=True, check=False)
-        state = out.stdout.strip()
-        if out.returncode == 0 and state == step.wait_for:
+        rc, out = capture(step.argv)
+        state = out.strip()
+        if rc == 0 and state == step.wait_for:
             return
         if state in step.fail_states:
-            raise LaunchError(f"{step.title}: state is {state}")
+            raise LaunchError(f"state is {state}")
         if time.monotonic() > deadline:
-            raise LaunchError(f"{step.title}: still {state or 'unknown'} after {timeout_s:.0f} s")
-        print(f"[launch] state {state or out.stderr.strip()[:200] or 'unknown'}; waiting",
-              file=sys.stderr, flush=True)
+            raise LaunchError(f"still {state or 'not found'} after {timeout_s:.0f} s")
+        print(f"[launch] state {state or 'not found yet'}; waiting", file=sys.stderr, flush=True)
         sleep(interval_s)
 
 
 def run_steps(spec: LaunchSpec, steps: Sequence[Step], *, runner: Runner | None = None,
-              wait_timeout_s: float = 3600.0, poll_interval_s: float = 30.0) -> int:
+              capture: Capture | None = None, wait_timeout_s: float = 3600.0,
+              poll_interval_s: float = 30.0) -> int:
     """Runs the steps in order; at the first failure prints one clear message (and how to
-    delete the TPU if it was created) and returns 1."""
-    if runner is None:
-        if shutil.which("gcloud") is None:
-            raise LaunchError("gcloud not found on PATH: install the Google Cloud SDK "
-                              "(https://cloud.google.com/sdk) or use --dry-run")
-        runner = _subprocess_runner
+    delete the TPU if it was created) and returns 1. ``runner``/``capture`` default to
+    ``subprocess`` (tests pass fakes)."""
+    if (runner is None or capture is None) and shutil.which("gcloud") is None:
+        raise LaunchError("gcloud not found on PATH: install the Google Cloud SDK "
+                          "(https://cloud.google.com/sdk) or use --dry-run")
+    run = runner or _subprocess_runner
+    cap = capture or _subprocess_capture
     created = False
     for i, step in enumerate(steps, 1):
         shown = wait_shell(step) if step.wait_for else shlex.join(step.argv)
         print(f"[launch] {i}/{len(steps)} {step.title}\n$ {shown}", file=sys.stderr, flush=True)
         try:
             if step.wait_for:
-                _poll(step, wait_timeout_s, poll_interval_s)
+                _poll(step, cap, wait_timeout_s, poll_interval_s)
                 rc = 0
             else:
-                rc = runner(step.argv)
+                rc = run(step.argv)
         except (LaunchError, OSError) as e:
             rc, detail = 1, str(e)
         else:

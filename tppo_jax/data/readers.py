@@ -152,6 +152,8 @@ def _as_text(value: Any, name: str, *, allow_chat: bool = False) -> str:
 def _numeric_or_text(value: Any, name: str) -> str:
     """Answers may legitimately be stored as numbers (e.g. AIME ints); booleans/None may not."""
     if isinstance(value, int | float) and not isinstance(value, bool):
+        if value != value or value in (float("inf"), float("-inf")):  # JSON NaN / 1e999
+            raise ValueError(f"field {name!r} is {value}, expected a finite number")
         return str(value)
     return _as_text(value, name).strip()
 
@@ -228,16 +230,28 @@ def _example(question: str, answer: str, solution: str | None, id_val: Any, row_
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[str, Any, str | None]]:
-    """Yield ``(location, row_or_None, decode_error_or_None)``; blank lines are skipped."""
-    with path.open("r", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    """Yield ``(location, row_or_None, decode_error_or_None)``; blank lines are skipped.
+
+    Lines are split on ``\\n`` and decoded one by one, so invalid UTF-8 is one bad row rather
+    than a ``UnicodeDecodeError`` out of the whole file.
+    """
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
             loc = f"{path}:{lineno}"
             try:
-                yield loc, json.loads(line), None
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield loc, None, f"invalid UTF-8 ({e.reason} at byte {e.start + 1})"
+                continue
+            if not line.strip():
+                continue
+            try:
+                row, err = json.loads(line), None
             except json.JSONDecodeError as e:
-                yield loc, None, f"invalid JSON ({e.msg} at column {e.colno})"
+                row, err = None, f"invalid JSON ({e.msg} at column {e.colno})"
+            except (ValueError, RecursionError) as e:  # a >4300-digit int; nesting too deep
+                row, err = None, f"invalid JSON ({type(e).__name__}: {str(e)[:120]})"
+            yield loc, row, err
 
 
 def _iter_parquet(path: Path) -> Iterator[tuple[str, Any, str | None]]:

@@ -1,0 +1,215 @@
+"""`tppo launch`: TPU type parsing, the dry-run gcloud script, and the run loop with fakes."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tppo_jax import cli, launch_cli
+from tppo_jax.launch import (
+    LaunchError,
+    LaunchSpec,
+    build_steps,
+    parse_tpu_type,
+    render,
+    run_steps,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tppo(argv: list[str]) -> int:
+    launch_cli.register(cli.register)  # what commands.register_all will do
+    return cli.main(argv)
+
+
+@pytest.mark.parametrize("text,chips,hosts,runtime", [
+    ("v4-8", 4, 1, "tpu-ubuntu2204-base"),
+    ("v4-32", 16, 4, "tpu-ubuntu2204-base"),
+    ("v5p-64", 32, 8, "v2-alpha-tpuv5"),
+    ("v5p-512", 256, 64, "v2-alpha-tpuv5"),
+    ("v5litepod-8", 8, 1, "v2-alpha-tpuv5-lite"),
+    ("v5litepod-16", 16, 4, "v2-alpha-tpuv5-lite"),
+    ("v6e-8", 8, 1, "v2-alpha-tpuv6e"),
+    ("v6e-256", 256, 64, "v2-alpha-tpuv6e"),
+])
+def test_parse_tpu_type(text, chips, hosts, runtime):
+    t = parse_tpu_type(text)
+    assert (t.chips, t.hosts, t.runtime) == (chips, hosts, runtime)
+
+
+@pytest.mark.parametrize("bad", ["v3-8", "v4-6", "v4", "v5p-12", "v5litepod-3", "v6e-0",
+                                 "v6e-512", "tpu-8", "v5e-8", ""])
+def test_bad_tpu_type(bad):
+    with pytest.raises(LaunchError, match="invalid TPU type"):
+        parse_tpu_type(bad)
+
+
+def test_bad_tpu_type_cli_one_line(capsys):
+    rc = tppo(["launch", "--config", "configs/default.yaml", "--tpu-type", "v5p-7",
+               "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and "invalid TPU type 'v5p-7'" in err
+
+
+def commands(out: str) -> list[list[str]]:
+    """The script's command lines as argv lists (checks that every line is shell-parsable)."""
+    return [shlex.split(line) for line in out.splitlines() if not line.startswith("#")]
+
+
+def find(cmds: list[list[str]], *prefix: str) -> list[list[str]]:
+    return [c for c in cmds if c[:len(prefix)] == list(prefix)]
+
+
+def test_dry_run_v5p_64(capsys):
+    rc = tppo(["launch", "--config", "configs/default.yaml", "--tpu-type", "v5p-64",
+               "--zone", "europe-west4-b", "--project", "my-proj", "--bucket", "gs://bkt",
+               "--name", "t1", "--dry-run", "train.steps=10"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    cmds = commands(out)
+    [create] = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "create")
+    assert create[5] == "t1"
+    for flag, value in [("--accelerator-type", "v5p-64"), ("--version", "v2-alpha-tpuv5"),
+                        ("--zone", "europe-west4-b"), ("--project", "my-proj")]:
+        assert create[create.index(flag) + 1] == value
+    assert "--spot" not in create
+    assert "tpu-vm describe t1" in out and '= READY ]' in out  # the wait loop
+    ssh = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "ssh", "t1")
+    install, train, stream = (c[c.index("--command") + 1] for c in ssh)
+    assert all("--worker=all" in c for c in ssh[:2]) and "--worker=0" in ssh[2]
+    assert all(c[c.index("--zone") + 1] == "europe-west4-b" for c in ssh)
+    assert "./install.sh" in install
+    assert ("nohup launch/run_on_pod.sh .venv/bin/tppo train --config configs/default.yaml "
+            "--run-dir gs://bkt/runs/t1") in train
+    assert "train.steps=10" in train and "> ~/tppo-train.log" in train
+    assert "tail" in stream and "~/tppo-train.log" in stream
+    [scp] = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "scp")
+    assert "--worker=all" in scp
+    assert find(cmds, "gcloud", "storage", "cp", "-r", "gs://bkt/runs/t1")
+    [delete] = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "delete", "t1")
+    assert "--quiet" in delete
+    assert cmds[-1] == delete  # deleted last
+
+
+def test_dry_run_v4_8_default_name_and_zone(capsys):
+    assert tppo(["launch", "--config", "configs/ppo.yaml", "--tpu-type", "v4-8", "--spot",
+                 "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    cmds = commands(out)
+    [create] = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "create")
+    assert create[5] == "tppo-ppo-v4-8"
+    assert create[create.index("--version") + 1] == "tpu-ubuntu2204-base"
+    assert create[create.index("--zone") + 1] == "us-central2-b"
+    assert create[create.index("--accelerator-type") + 1] == "v4-8"
+    assert "--spot" in create and "--project" not in create
+    assert "--config configs/ppo.yaml --run-dir runs/tppo-ppo-v4-8" in out
+    # no bucket: results come back from worker 0 over scp
+    [back] = [c for c in find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "scp")
+              if "--recurse" in c]
+    assert "tppo-ppo-v4-8:~/tppo-jax/runs/tppo-ppo-v4-8" in back and "--worker=0" in back
+
+
+def test_queued_resource(capsys):
+    assert tppo(["launch", "--config", "default", "--tpu-type", "v6e-8", "--queued", "--spot",
+                 "--name", "q1", "--repo", "https://example.com/tppo-jax.git",
+                 "--dry-run"]) == 0
+    cmds = commands(capsys.readouterr().out)
+    [create] = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "create", "q1")
+    assert create[create.index("--node-id") + 1] == "q1"
+    assert create[create.index("--runtime-version") + 1] == "v2-alpha-tpuv6e"
+    assert "--spot" in create
+    assert not find(cmds, "tar")  # --repo: cloned on the workers instead
+    install = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "ssh")[0]
+    assert "git clone https://example.com/tppo-jax.git" in install[install.index("--command") + 1]
+    [delete] = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "delete", "q1")
+    assert "--force" in delete
+
+
+def test_best_effort_uses_alpha(capsys):
+    assert tppo(["launch", "--config", "default", "--tpu-type", "v5litepod-16",
+                 "--best-effort", "--keep", "--dry-run"]) == 0
+    cmds = commands(capsys.readouterr().out)
+    [create] = find(cmds, "gcloud", "alpha", "compute", "tpus", "queued-resources", "create")
+    assert "--best-effort" in create
+    assert not [c for c in cmds if "delete" in c]  # --keep
+
+
+def test_paper_config_mesh_must_match_slice(capsys):
+    # fsdp=256 is laid out for v5p-512 (256 chips): a v5p-64 (32 chips) is refused up front.
+    rc = tppo(["launch", "--config", "configs/paper_qwen25_32b.yaml", "--tpu-type", "v5p-64",
+               "--dry-run"])
+    assert rc == 2 and "mesh" in capsys.readouterr().err
+    assert tppo(["launch", "--config", "configs/paper_qwen25_32b.yaml", "--tpu-type",
+                 "v5p-512", "--bucket", "gs://b", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "--accelerator-type v5p-512" in out and "(256 chips, 64 hosts" in out
+
+
+def _spec(**kw) -> LaunchSpec:
+    return LaunchSpec(config="configs/default.yaml", tpu=parse_tpu_type("v4-8"), name="t",
+                      zone="us-central2-b", **kw)
+
+
+def test_run_stops_at_first_failure(capsys):
+    spec = _spec()
+    steps = build_steps(spec)
+    ran: list[list[str]] = []
+
+    def runner(argv):
+        ran.append(list(argv))
+        return 7 if "ssh" in argv else 0  # the install step fails
+
+    rc = run_steps(spec, steps, runner=runner, capture=lambda argv: (0, "READY\n"))
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "ssh" in ran[-1] and not any("delete" in a for a in ran)
+    last = err.strip().splitlines()[-1]
+    assert "failed: exit code 7" in last and "still up" in last
+    assert "gcloud compute tpus tpu-vm delete t --quiet --zone us-central2-b" in last
+
+
+def test_run_wait_failure_state(capsys):
+    spec = _spec(queued=True)
+    rc = run_steps(spec, build_steps(spec), runner=lambda argv: 0,
+                   capture=lambda argv: (0, "FAILED\n"))
+    assert rc == 1
+    assert "state is FAILED" in capsys.readouterr().err
+
+
+def test_run_all_steps(capsys):
+    spec = _spec()
+    ran: list[list[str]] = []
+    rc = run_steps(spec, build_steps(spec), runner=lambda a: ran.append(list(a)) or 0,
+                   capture=lambda argv: (0, "READY"))
+    assert rc == 0 and ran[-1][:5] == ["gcloud", "compute", "tpus", "tpu-vm", "delete"]
+
+
+def test_gcloud_missing(monkeypatch, capsys):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    rc = tppo(["launch", "--config", "configs/default.yaml", "--tpu-type", "v4-8"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "gcloud not found" in err
+
+
+def test_render_round_trips_quoting():
+    spec = _spec(overrides=("data.source=my data.jsonl",))
+    out = render(spec, build_steps(spec))
+    [train] = [c for c in commands(out) if "--command" in c and "nohup" in
+               c[c.index("--command") + 1]]
+    inner = shlex.split(train[train.index("--command") + 1].split("nohup ", 1)[1])
+    assert "data.source=my data.jsonl" in inner
+
+
+def test_run_on_pod_script():
+    script = ROOT / "launch" / "run_on_pod.sh"
+    text = script.read_text()
+    assert "./install.sh" in text and ".venv/bin/tppo train" in text
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert usage.returncode == 2 and "run_on_pod.sh" in usage.stderr
+    assert not (ROOT / "launch" / "__init__.py").exists()

@@ -1,0 +1,295 @@
+"""Per-chip memory plan of a T-PPO run on a TPU slice (``tppo plan``).
+
+Pure arithmetic, no jax: for the policy and the value model it counts params, AdamW states and
+gradients with the same layout as the code (each weight's logical axes through
+``parallel.mesh.LOGICAL_RULES``, an axis dropped where it does not divide, as ``_fits`` does),
+adds training activations under remat and the engine's KV pages, and compares the total with
+the chip's HBM.
+
+Model (bytes per chip):
+- params: elements of the local shard x dtype bytes (the value head is float32);
+- optimizer: AdamW m and v in float32 (8 B/param), plus a float32 master copy (4 B/param) when
+  params are bf16 — the mixed-precision recipe a 32B run needs; the current trainer's
+  ``optax.adamw`` keeps m/v in the param dtype, so this is an upper bound for it;
+- gradients: one param-dtype copy;
+- activations (remat): the saved layer inputs, ``tokens_per_chip * hidden * bytes * layers``,
+  plus one layer's recompute working set (inputs, q/k/v, attention output, gate/up/act, and
+  their cotangents). ``tokens_per_chip`` = one mini-batch (``slots / optim.minibatches``
+  sequences of ``max_prompt_len + max_response_len`` tokens) split over data x fsdp; the
+  sequence and tensor axes do not split [B, T, H] activations in ``LOGICAL_RULES``. Attention
+  is assumed memory-efficient (flash/splash); the dense path's [T, T] scores are reported as
+  a note, not in the total. Policy and value updates are separate jits, so the peak is the max
+  of the two, not the sum;
+- KV pages: ``slots * (prompt + L)`` tokens (or ``num_pages * page_size`` when set) x
+  ``layers * 2 * kv_heads * head_dim * bytes``, kv heads split over tensor and slots over
+  data x fsdp. Unfinished sequences keep their pages across steps, so the pool is live while
+  training.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from tppo_jax.config import Config, ConfigError
+from tppo_jax.launch import GIB, TpuType, parse_tpu_type
+from tppo_jax.parallel.mesh import LOGICAL_RULES, MESH_AXES
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The sizes of a Qwen2/Llama decoder the plan needs (HF ``config.json`` names)."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool
+    tie_embeddings: bool
+
+    def policy_tensors(self) -> Iterator[tuple[tuple[int, ...], tuple[str | None, ...], bool]]:
+        """(shape, logical axes, always-fp32) of every policy param (transformer.py layout)."""
+        h, i, hq, hkv, d = (self.hidden_size, self.intermediate_size, self.num_heads,
+                            self.num_kv_heads, self.head_dim)
+        yield (self.vocab_size, h), ("vocab", "embed"), False
+        for _ in range(self.num_layers):
+            yield (h,), ("norm",), False
+            yield (h, hq, d), ("embed", "heads", "head_dim"), False
+            yield (h, hkv, d), ("embed", "kv_heads", "head_dim"), False
+            yield (h, hkv, d), ("embed", "kv_heads", "head_dim"), False
+            yield (hq, d, h), ("heads", "head_dim", "embed"), False
+            if self.qkv_bias:
+                yield (hq, d), ("heads", "head_dim"), False
+                yield (hkv, d), ("kv_heads", "head_dim"), False
+                yield (hkv, d), ("kv_heads", "head_dim"), False
+            yield (h,), ("norm",), False
+            yield (h, i), ("embed", "mlp"), False
+            yield (h, i), ("embed", "mlp"), False
+            yield (i, h), ("mlp", "embed"), False
+        yield (h,), ("norm",), False
+        if not self.tie_embeddings:
+            yield (h, self.vocab_size), ("embed", "vocab"), False
+
+    def value_tensors(self) -> Iterator[tuple[tuple[int, ...], tuple[str | None, ...], bool]]:
+        """The critic: the backbone (no LM head) + a float32 scalar head (value.py)."""
+        for shape, axes, fp32 in self.policy_tensors():
+            if axes != ("embed", "vocab"):
+                yield shape, axes, fp32
+        yield (self.hidden_size,), ("embed",), True
+        yield (), (), True
+
+    @property
+    def n_params(self) -> int:
+        return sum(math.prod(s) for s, _, _ in self.policy_tensors())
+
+    @property
+    def n_value_params(self) -> int:
+        return sum(math.prod(s) for s, _, _ in self.value_tensors())
+
+
+def _a(name: str, v: int, h: int, i: int, n: int, hq: int, hkv: int, d: int, bias: bool,
+       tied: bool) -> Arch:
+    return Arch(name, v, h, i, n, hq, hkv, d, bias, tied)
+
+
+# Sizes from each model's HF config.json.
+ARCHITECTURES: dict[str, Arch] = {a.name: a for a in [
+    _a("qwen2.5-0.5b", 151936, 896, 4864, 24, 14, 2, 64, True, True),
+    _a("qwen2.5-1.5b", 151936, 1536, 8960, 28, 12, 2, 128, True, True),
+    _a("qwen2.5-7b", 152064, 3584, 18944, 28, 28, 4, 128, True, False),
+    _a("qwen2.5-32b", 152064, 5120, 27648, 64, 40, 8, 128, True, False),
+    _a("llama-3-8b", 128256, 4096, 14336, 32, 32, 8, 128, False, False),
+    _a("llama-3-70b", 128256, 8192, 28672, 80, 64, 8, 128, False, False),
+]}
+
+
+def _norm_name(text: str) -> str:
+    t = text.lower().replace("_", "-").replace("meta-", "")
+    return t.replace("llama3", "llama-3").replace("qwen2-5", "qwen2.5")
+
+
+def resolve_arch(cfg: Config, arch: str | None = None) -> Arch:
+    """``arch`` by name; else the tiny model's sizes; else ``model.path``'s folder name (e.g.
+    ``gs://b/Qwen2.5-32B``) or its local ``config.json``."""
+    if arch is not None:
+        key = _norm_name(arch)
+        if key not in ARCHITECTURES:
+            raise ConfigError(f"unknown --arch {arch!r}; known: {', '.join(ARCHITECTURES)}")
+        return ARCHITECTURES[key]
+    m = cfg.model
+    if m.source == "tiny":
+        # warmstart.tiny_model_config: tied embeddings, no bias, 128-piece tokenizer.
+        return Arch("tiny", 128, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads,
+                    m.num_kv_heads, m.hidden_size // m.num_heads, False, True)
+    path = m.path or ""
+    key = _norm_name(path.rstrip("/").rsplit("/", 1)[-1])
+    if key in ARCHITECTURES:
+        return ARCHITECTURES[key]
+    local = Path(path) / "config.json"
+    if not path.startswith("gs://") and local.exists():
+        import json
+
+        from tppo_jax.models.hf import config_from_hf
+
+        c = config_from_hf(json.loads(local.read_text()))
+        return Arch(Path(path).name, c.vocab_size, c.hidden_size, c.intermediate_size,
+                    c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.qkv_bias,
+                    c.tie_embeddings)
+    raise ConfigError(f"cannot tell the architecture of model.path {path!r}; pass --arch "
+                      f"(one of {', '.join(ARCHITECTURES)})")
+
+
+def resolve_mesh(cfg: Config, chips: int) -> dict[str, int]:
+    """``mesh.data/fsdp/tensor`` with ``-1`` filled in; must multiply to ``chips``."""
+    sizes = {"data": cfg.mesh.data, "fsdp": cfg.mesh.fsdp, "tensor": cfg.mesh.tensor}
+    free = [k for k, v in sizes.items() if v == -1]
+    known = math.prod(v for v in sizes.values() if v != -1)
+    if len(free) > 1 or known <= 0 or any(v < -1 or v == 0 for v in sizes.values()):
+        raise ConfigError(f"mesh {sizes}: sizes must be positive, at most one -1")
+    if free:
+        if chips % known:
+            raise ConfigError(f"mesh {sizes} does not divide {chips} chips")
+        sizes[free[0]] = chips // known
+    if math.prod(sizes.values()) != chips:
+        raise ConfigError(f"mesh data*fsdp*tensor = {math.prod(sizes.values())} ({sizes}) "
+                          f"but the slice has {chips} chips")
+    return sizes
+
+
+def local_elements(shape: tuple[int, ...], axes: tuple[str | None, ...],
+                   mesh: dict[str, int]) -> int:
+    """Elements of one device's shard: each dim split over its rule's mesh axes, skipping an
+    axis that does not divide (``parallel.mesh._fits``); a mesh axis is used once."""
+    used: set[str] = set()
+    n = 1
+    for dim, name in zip(shape, axes, strict=True):
+        split = 1
+        target = LOGICAL_RULES.get(name) if name is not None else None
+        for ax in (target,) if isinstance(target, str) else tuple(target or ()):
+            if ax in used:
+                continue
+            used.add(ax)
+            if dim % (split * mesh[ax]) == 0:
+                split *= mesh[ax]
+        n *= dim // split
+    return n
+
+
+def _model_rows(tensors, mesh: dict[str, int], dtype_bytes: int) -> dict[str, int]:
+    params = grads = opt = 0
+    for shape, axes, fp32 in tensors:
+        n = local_elements(shape, axes, mesh)
+        b = 4 if fp32 else dtype_bytes
+        params += n * b
+        grads += n * b
+        # AdamW m + v in fp32, plus an fp32 master copy of low-precision params.
+        opt += n * (8 + (4 if b < 4 else 0))
+    return {"params": params, "optimizer": opt, "grads": grads}
+
+
+def plan_memory(cfg: Config, tpu: TpuType | str, arch: Arch | str | None = None
+                ) -> dict[str, Any]:
+    """Per-chip bytes of every component and whether the total fits the chip's HBM."""
+    tpu = parse_tpu_type(tpu) if isinstance(tpu, str) else tpu
+    a = arch if isinstance(arch, Arch) else resolve_arch(cfg, arch)
+    mesh = resolve_mesh(cfg, tpu.chips)
+    r, bytes_ = cfg.rollout, DTYPE_BYTES[cfg.model.dtype]
+    dp = mesh["data"] * mesh["fsdp"]
+
+    policy = _model_rows(a.policy_tensors(), mesh, bytes_)
+    value = _model_rows(a.value_tensors(), mesh, bytes_)
+
+    seq = r.max_prompt_len + r.max_response_len
+    mb_seqs = r.slots // cfg.optim.minibatches
+    seqs_per_chip = -(-mb_seqs // dp)
+    tokens = seqs_per_chip * seq
+    h, i, hq, hkv, d = (a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
+                        a.head_dim)
+    t = mesh["tensor"]
+    # heads/mlp split over tensor only where they divide (as the weights are).
+    hq_l = hq // t if hq % t == 0 else hq
+    hkv_l = hkv // t if hkv % t == 0 else hkv
+    i_l = i // t if i % t == 0 else i
+    boundaries = tokens * h * bytes_ * a.num_layers
+    # x, norm(x), residual, mlp-norm: 4H; q, k, v, attn-out; gate, up, silu*up; x2 cotangents.
+    per_token = 4 * h + (2 * hq_l + 2 * hkv_l) * d + 3 * i_l
+    working = 2 * tokens * per_token * bytes_
+    dense_scores = seqs_per_chip * hq_l * seq * seq * 4
+
+    per_slot = -(-seq // r.page_size) * r.page_size
+    kv_tokens = r.num_pages * r.page_size if r.num_pages else r.slots * per_slot
+    kv_token_bytes = a.num_layers * 2 * hkv * d * bytes_
+    kv_heads_split = t if hkv % t == 0 else 1
+    kv = -(-kv_tokens // dp) * kv_token_bytes // kv_heads_split
+
+    rows = {
+        "policy params": policy["params"], "policy optimizer": policy["optimizer"],
+        "policy grads": policy["grads"], "value params": value["params"],
+        "value optimizer": value["optimizer"], "value grads": value["grads"],
+        "activations (remat boundaries)": boundaries,
+        "activations (one layer working set)": working,
+        "KV pages": kv,
+    }
+    total = sum(rows.values())
+    fixed = total - kv
+    # The KV budget left after everything else, as pages (what rollout.num_pages could be).
+    kv_budget = max(tpu.hbm_bytes - fixed, 0)
+    max_pages = kv_budget * kv_heads_split // kv_token_bytes * dp // r.page_size
+    return {
+        "arch": asdict(a), "n_params_policy": a.n_params, "n_params_value": a.n_value_params,
+        "tpu": tpu.name, "chips": tpu.chips, "hosts": tpu.hosts, "hbm_bytes": tpu.hbm_bytes,
+        "mesh": mesh, "dtype": cfg.model.dtype,
+        "param_shards": mesh["fsdp"] * mesh["tensor"],
+        "tokens_per_chip": tokens, "minibatch_seqs": mb_seqs, "seq_len": seq,
+        "kv_tokens": kv_tokens, "kv_bytes_per_token": kv_token_bytes,
+        "rows": rows, "total_bytes": total, "fits": total <= tpu.hbm_bytes,
+        "headroom_bytes": tpu.hbm_bytes - total,
+        "max_num_pages": max_pages,
+        "notes": {"dense_attention_scores_bytes": dense_scores},
+    }
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:,.2f} GiB"
+
+
+def format_plan(p: dict[str, Any]) -> str:
+    """The plan as a fixed-width table with a verdict and hints."""
+    m, a = p["mesh"], p["arch"]
+    lines = [
+        f"{a['name']} ({p['n_params_policy'] / 1e9:.2f}B params, {p['dtype']}) on {p['tpu']}: "
+        f"{p['chips']} chips, {p['hosts']} hosts, {_gib(p['hbm_bytes'])} HBM per chip",
+        " ".join(f"{k}={m[k]}" for k in MESH_AXES)
+        + f"; mini-batch {p['minibatch_seqs']} x {p['seq_len']} tokens -> "
+          f"{p['tokens_per_chip']:,} tokens per chip; KV {p['kv_tokens']:,} tokens",
+        "",
+        f"{'component':<40}{'per chip':>16}",
+        "-" * 56,
+    ]
+    lines += [f"{k:<40}{_gib(v):>16}" for k, v in p["rows"].items()]
+    lines += ["-" * 56, f"{'total':<40}{_gib(p['total_bytes']):>16}",
+              f"{'HBM':<40}{_gib(p['hbm_bytes']):>16}"]
+    verdict = ("fits" if p["fits"] else "DOES NOT FIT") + (
+        f" ({_gib(abs(p['headroom_bytes']))} {'free' if p['fits'] else 'over'})")
+    lines.append(f"{'verdict':<40}{verdict:>16}")
+    lines.append("")
+    lines.append(f"KV pages that fit next to the rest: rollout.num_pages <= {p['max_num_pages']:,}"
+                 f" (0 = full reservation, {p['kv_tokens']:,} tokens)")
+    lines.append(f"not in the total: dense attention scores would add "
+                 f"{_gib(p['notes']['dense_attention_scores_bytes'])} per chip "
+                 f"(the total assumes a flash/splash attention kernel)")
+    return "\n".join(lines)
+
+
+def with_mesh(cfg: Config, mesh: dict[str, int]) -> Config:
+    """``cfg`` with another mesh (for trying layouts from tests or a notebook)."""
+    return replace(cfg, mesh=replace(cfg.mesh, **mesh))
