@@ -175,6 +175,7 @@ def test_corpus_is_big_and_varied() -> None:
     assert any("\x00" in c for c, _ in items) and any(c == "" for c, _ in items)
 
 
+@pytest.mark.slow  # ~30 s on 2 shared cores: every hung item costs a worker kill + respawn
 def test_thousand_hostile_completions_never_hang() -> None:
     before = _descendants()
     items = _corpus()

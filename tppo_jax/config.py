@@ -8,6 +8,7 @@ key for typos) in one line.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import math
@@ -125,6 +126,9 @@ class RewardConfig:
     batch_deadline_s: float = 30.0
     overlong_buffer: int = 0  # DAPO soft overlong penalty; 0 disables
     overlong_penalty: float = 1.0
+    process: Literal["none", "first_error", "per_step"] = "none"  # sympy step verifier
+    process_penalty: float = -0.5  # at the end of the first (or every) invalid step
+    process_bonus: float = 0.05  # per_step: at the end of every valid step
 
 
 @dataclass(frozen=True)
@@ -223,10 +227,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "3e-5" (no dot) as a string
-            try:
+            with contextlib.suppress(ValueError):
                 value = float(value)
-            except ValueError:
-                pass
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         try:

@@ -264,9 +264,21 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, Any, str | None]]:
         raise DataError(f"{path}: cannot read parquet file: {e}") from e
     idx = 0
     for batch in pf.iter_batches(batch_size=1024):
-        for row in batch.to_pylist():
-            yield f"{path}:row {idx}", row, None
+        try:
+            rows = batch.to_pylist()
+        except (ValueError, OverflowError):  # e.g. a timestamp past year 9999: find the row
+            rows = None
+        for j in range(batch.num_rows):
+            loc = f"{path}:row {idx}"
             idx += 1
+            if rows is not None:
+                yield loc, rows[j], None
+                continue
+            try:
+                row, err = batch.slice(j, 1).to_pylist()[0], None
+            except (ValueError, OverflowError) as e:
+                row, err = None, f"cannot convert row to Python ({type(e).__name__}: {e})"
+            yield loc, row, err
 
 
 def read_examples(

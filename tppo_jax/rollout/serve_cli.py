@@ -170,6 +170,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("what", choices=["decode"], help="which benchmark")
     p.add_argument("--batches", default="8,32,64", help="comma-separated batch sizes")
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per path (best kept)")
     p.add_argument("--out", default="results/decode_bench.json")
 
 

@@ -60,10 +60,16 @@ def evaluate(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathExample],
     graded = grader.grade(texts, answers)
     correct = graded.correct.reshape(len(examples), k)
     lengths = np.array([len(r) for r in responses])
+    from tppo_jax.rewards.steps import verify_solution
+
+    steps_ok = np.array([verify_solution(t).all_valid for t in texts])
     return {
         f"avg@{k}": avg_at_k(correct),
         f"pass@{k}": float(np.mean(pass_at_k_batch(np.full(len(examples), k),
                                                    correct.sum(axis=1), k)) * 100.0),
         "response_len_mean": float(lengths.mean()),
         "boxed_frac": float(np.mean([r != "no_answer" for r in graded.reasons])),
+        # Step-level checking (sympy verifier): all steps valid; right answer but a bad step.
+        "steps_all_valid_frac": float(steps_ok.mean()),
+        "right_answer_wrong_steps_frac": float((graded.correct & ~steps_ok).mean()),
     }

@@ -81,7 +81,8 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
 
     Args:
       values: ``[B, S]`` ``V(s_t)`` from the critic at rollout time.
-      batch: ``tokens, prompt_len, window_start, window_len, finished, reward``.
+      batch: ``tokens, prompt_len, window_start, window_len, finished, reward`` and optionally
+        ``token_rewards [B, S]`` (dense process rewards, added to the outcome reward).
     """
     a = cfg.algo
     b, s = batch["tokens"].shape
@@ -90,6 +91,8 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
     last = jnp.maximum(total - 1, 0)
     rewards = jnp.zeros((b, s), jnp.float32).at[jnp.arange(b), last].set(
         jnp.where(fin, batch["reward"], 0.0))
+    if "token_rewards" in batch:  # process rewards at step ends (reward.process)
+        rewards = rewards + batch["token_rewards"]
 
     # Policy side: EGAE over the window [start, start + wlen).
     w = cfg.window

@@ -21,12 +21,14 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from tppo_jax.config import Config, ConfigError
+from tppo_jax.config import Config, ConfigError, validate
 from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.data.readers import MathExample, read_examples
 from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.models.tokenizer import Tokenizer
+from tppo_jax.models.transformer import shard_model
 from tppo_jax.models.value import ValueModel
+from tppo_jax.parallel.mesh import batch_sharding, make_mesh
 from tppo_jax.rewards.math import MathGrader
 from tppo_jax.rollout.generate import SamplingParams
 from tppo_jax.rollout.scheduler import RolloutBatch, TruncatedRolloutScheduler
@@ -55,7 +57,7 @@ class Models:
     tokenizer_file: Path
 
 
-def load_models(cfg: Config, run_dir: Path, progress: bool) -> Models:
+def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models:
     """Tiny default: warm-started (cached in the run dir's parent). HF: loaded from disk."""
     if cfg.model.source == "tiny":
         tok, policy, cache = warmstart(cfg, run_dir.parent, progress=progress)
@@ -79,6 +81,9 @@ def load_models(cfg: Config, run_dir: Path, progress: bool) -> Models:
         critic = ValueModel(policy.config, rngs=nnx.Rngs(cfg.train.seed + 1))
     else:
         critic = ValueModel.from_policy(policy, seed=cfg.train.seed)
+    if mesh is not None:  # params carry their named shardings from here on
+        shard_model(policy, mesh)
+        shard_model(critic, mesh)
     pdef, pstate = nnx.split(policy)
     vdef, vstate = nnx.split(critic)
     return Models(tok, pdef, nnx.to_pure_dict(pstate), vdef, nnx.to_pure_dict(vstate), tok_file)
@@ -100,13 +105,41 @@ def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample], Any]:
     return rows[:-d.eval_size], rows[-d.eval_size:], lambda e: f"Q: {e.question}\nA: "
 
 
-def batch_arrays(rb: RolloutBatch, reward: np.ndarray) -> dict[str, jax.Array]:
+def batch_arrays(rb: RolloutBatch, reward: np.ndarray, mesh,
+                 token_rewards: np.ndarray | None = None) -> dict[str, jax.Array]:
+    """The rollout as device arrays, split over the mesh's batch axes."""
     s = rb.tokens.shape[1]
     attn = np.arange(s)[None] < rb.total_len[:, None]
-    return {k: jnp.asarray(v) for k, v in {
-        "tokens": rb.tokens, "attn": attn, "prompt_len": rb.prompt_len,
-        "window_start": rb.window_start, "window_len": rb.window_len, "finished": rb.finished,
-        "reward": reward.astype(np.float32), "sample_logprobs": rb.sample_logprobs}.items()}
+    arrays = {"tokens": rb.tokens, "attn": attn, "prompt_len": rb.prompt_len,
+              "window_start": rb.window_start, "window_len": rb.window_len,
+              "finished": rb.finished, "reward": reward.astype(np.float32),
+              "sample_logprobs": rb.sample_logprobs}
+    if token_rewards is not None:
+        arrays["token_rewards"] = token_rewards
+    return {k: jax.device_put(v, batch_sharding(mesh, np.ndim(v), np.shape(v)))
+            for k, v in arrays.items()}
+
+
+def step_process_rewards(cfg: Config, tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray
+                         ) -> tuple[np.ndarray, float]:
+    """Dense ``[B, S]`` process rewards for finished ``rows`` and their all-steps-valid rate."""
+    from tppo_jax.rewards.process import process_rewards
+    from tppo_jax.rewards.steps import step_token_ends, verify_solution
+
+    out = np.zeros(rb.tokens.shape, np.float32)
+    valid = []
+    for i in rows:
+        ids = rb.response_tokens(int(i))
+        text = tok.decode(ids)
+        rep = verify_solution(text)
+        valid.append(rep.all_valid)
+        ends = step_token_ends(rep, text, tok, ids)
+        pr = process_rewards([rep], [ends], [len(ids)], mode=cfg.reward.process,
+                             penalty=cfg.reward.process_penalty,
+                             step_bonus=cfg.reward.process_bonus, num_tokens=len(ids))
+        a = int(rb.prompt_len[i])
+        out[i, a:a + len(ids)] = pr[0]
+    return out, float(np.mean(valid)) if valid else 0.0
 
 
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
@@ -121,7 +154,10 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     r, a = cfg.rollout, cfg.algo
 
-    models = load_models(cfg, run_dir, progress)
+    validate(cfg, num_devices=jax.device_count())
+    m = cfg.mesh
+    mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
+    models = load_models(cfg, run_dir, progress, mesh)
     tok = models.tokenizer
     train_rows, eval_rows, fmt = load_data(cfg)
     encode = lambda e: tok.encode(fmt(e))  # noqa: E731
@@ -190,8 +226,11 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 g = grader.grade([tok.decode(rb.response_tokens(i)) for i in fin],
                                  [rb.examples[i].answer for i in fin])
                 reward[fin], correct[fin], counts = g.rewards, g.correct, g.counts
+            token_rewards, steps_valid = None, None
+            if cfg.reward.process != "none" and len(fin):
+                token_rewards, steps_valid = step_process_rewards(cfg, tok, rb, fin)
             t_grade = time.time() - t0 - t_roll
-            arrays = batch_arrays(rb, reward)
+            arrays = batch_arrays(rb, reward, mesh, token_rewards)
             targets = rollout_targets(models.value_def, models.value, arrays, cfg=scfg)
             train_batch = {**arrays, **targets}
             # Dispatched back to back: neither update waits for the other's result.
@@ -218,6 +257,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 **{k: float(v) for k, v in pstats.items() if k != "policy_loss"},
                 **{k: float(v) for k, v in vstats.items() if k != "value_loss"},
                 **{f"grade_{k}": v for k, v in counts.items()},
+                **({"steps_all_valid_frac": steps_valid} if steps_valid is not None else {}),
                 "tokens": int(rb.window_len.sum()),
                 "time_rollout_s": t_roll, "time_grading_s": t_grade, "time_update_s": t_update,
                 "tokens_per_s": float(rb.window_len.sum()) / max(time.time() - t0, 1e-9),
