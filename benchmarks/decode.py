@@ -188,12 +188,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batches", default="8,32,64", help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per path (best kept)")
+    p.add_argument("--out", default="results/decode_bench.json")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batches", default="8,32,64")
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", default="results/decode_bench.json")
+    add_args(p)
     return run(p.parse_args(argv))
 
 

@@ -196,8 +196,10 @@ def register_all(register: Callable) -> None:
     register("bench", f"benchmarks: {' | '.join(_available_benchmarks())}", _bench_args,
              cmd_bench)
     from tppo_jax import launch_cli
+    from tppo_jax.rollout import serve_cli
 
     launch_cli.register(register)
+    serve_cli.register(register)
 
 
 if __name__ == "__main__":

@@ -73,13 +73,29 @@ def install() -> None:
     bind_host(LOOPBACK_HOST)
 
 
+def quiet_logging() -> None:
+    """JetStream's orchestrator sets the root logger to DEBUG with a stdout handler at
+    import time; undo that so users and tests keep their own logging setup."""
+    import logging
+
+    orchestrator = sys.modules.get("jetstream.core.orchestrator")
+    handler = getattr(orchestrator, "handler", None)
+    root = logging.getLogger()
+    if handler is not None and handler in root.handlers:
+        root.removeHandler(handler)
+        if root.level == logging.DEBUG:
+            root.setLevel(logging.WARNING)
+
+
 def check() -> None:
     """Imports the JetStream modules tppo-jax uses; raises if any fails."""
     install()
     from jetstream.core import server_lib  # noqa: F401
     from jetstream.engine import engine_api  # noqa: F401
 
-    assert server_lib._HOST == LOOPBACK_HOST, server_lib._HOST
+    quiet_logging()
+    if server_lib._HOST != LOOPBACK_HOST:
+        raise RuntimeError(f"JetStream would bind {server_lib._HOST}, not {LOOPBACK_HOST}")
 
 
 install()

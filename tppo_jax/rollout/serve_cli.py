@@ -166,32 +166,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------- bench
-def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("what", choices=["decode"], help="which benchmark")
-    p.add_argument("--batches", default="8,32,64", help="comma-separated batch sizes")
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per path (best kept)")
-    p.add_argument("--out", default="results/decode_bench.json")
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    try:
-        from benchmarks import decode
-    except ImportError:
-        print("tppo bench: run from the repository root (benchmarks/ not found)",
-              file=sys.stderr)
-        return 2
-    return decode.run(args)
-
-
 def register(register_fn: Callable[..., None]) -> None:
-    """Adds ``serve``, ``generate`` and ``bench`` via ``register_fn(name, help, add, run)``."""
+    """Adds ``serve`` and ``generate`` via ``register_fn(name, help, add, run)``."""
     register_fn("serve", "serve the policy over JetStream gRPC (loopback by default)",
                 _serve_args, cmd_serve)
     register_fn("generate", "stream a completion from a running `tppo serve`",
                 _generate_args, cmd_generate)
-    register_fn("bench", "benchmarks (`tppo bench decode`: paged vs dense decode)",
-                _bench_args, cmd_bench)
 
 
 def main(argv: list[str] | None = None) -> int:
