@@ -33,7 +33,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     name = Path(args.config).stem if args.config else "default"
     run_dir = Path(args.run_dir or Path("runs") / name)
-    summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
+    from tppo_jax.train.trainer import TrainingDiverged
+
+    try:
+        summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
+    except TrainingDiverged as e:
+        print(f"tppo train: stopped: {e}", file=sys.stderr)
+        return 1
+    if summary["preempted"]:
+        print(f"tppo train: preempted after step {summary['steps']}; checkpoint saved. "
+              f"Continue with: tppo train --run-dir {summary['run_dir']} --resume")
+        return 0
     b, a = summary["eval_before"], summary["eval_after"]
     print(f"held-out accuracy (greedy, {len(a) and 'avg@1'}): before {b['avg@1']:.1f}% -> "
           f"after {a['avg@1']:.1f}%  ({summary['steps']} steps, "
@@ -42,6 +52,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _preview_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", nargs="?", choices=["preview"], default="preview",
+                   help="preview (default): samples and the solution-length histogram")
     _config_args(p)
     p.add_argument("-n", type=int, default=3, help="samples to print")
 
@@ -186,7 +198,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def register_all(register: Callable) -> None:
     register("train", "run T-PPO training (no arguments: the embedded CPU default)",
              _train_args, cmd_train)
-    register("data", "preview the training data (`tppo data` = preview)", _preview_args,
+    register("data", "tppo data preview: samples and the length histogram", _preview_args,
              cmd_data_preview)
     register("plot", "PNG charts of one or more runs' metrics", _plot_args, cmd_plot)
     register("eval", "avg@k / pass@k of a run's policy on the held-out set", _eval_args,

@@ -158,6 +158,7 @@ class TrainConfig:
     eval_every: int = 0  # 0 = only before and after
     target_accuracy: float | None = None  # stop once held-out avg@1 (percent) reaches it
     time_budget_s: float | None = None  # stop after this much training wall-clock
+    max_skipped_updates: int = 3  # consecutive non-finite updates before the run stops
     warmstart_steps: int = 600  # supervised steps on the teacher corpus (tiny model)
     warmstart_lr: float = 3e-3
     warmstart_batch: int = 32

@@ -222,6 +222,13 @@ class TruncatedRolloutScheduler:
         self.pending = deque(int(g) for g in d["pending"])
         self.examples = {int(g): MathExample(**e) for g, e in d["examples"].items()}
         self.policy_version = int(d["policy_version"])
-        # The KV cache is not checkpointed: every live row is re-prefilled on resume.
+        # Without a saved cache every live row is re-prefilled (see ``restore_cache``).
         self.cache = self.model.init_cache(self.B, self.S)
         self._force_prefill = True
+
+    def restore_cache(self, tree: dict[str, Any]) -> None:
+        """Restores a checkpointed KV cache (``k``, ``v``, ``lengths``) so continuations
+        resume exactly as in an uninterrupted run (no re-prefill)."""
+        self.cache = self.cache.replace(k=jnp.asarray(tree["k"]), v=jnp.asarray(tree["v"]),
+                                        lengths=jnp.asarray(tree["lengths"]))
+        self._force_prefill = False

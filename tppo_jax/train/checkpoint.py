@@ -3,13 +3,26 @@ items, plus the trainer state (step, RNG, data-iterator state, scheduler slots).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-ITEMS = ("policy", "value", "policy_opt", "value_opt", "slots")
+log = logging.getLogger(__name__)
+
+
+def all_finite(tree: Any) -> bool:
+    """True when every floating-point leaf of ``tree`` is finite."""
+    leaves = jax.device_get(jax.tree.leaves(tree))
+    return all(np.isfinite(x).all() for x in leaves
+               if np.issubdtype(np.asarray(x).dtype, np.floating))
+
+# kv_cache: the scheduler's cache of unfinished rows, so a resumed run continues exactly
+# as an uninterrupted one would (with kv_policy=keep it holds old-policy keys/values).
+ITEMS = ("policy", "value", "policy_opt", "value_opt", "slots", "kv_cache")
 
 
 class Checkpointer:
@@ -28,7 +41,12 @@ class Checkpointer:
 
     def save(self, step: int, trees: dict[str, Any], meta: dict[str, Any], *,
              force: bool = False) -> bool:
+        """Saves if due (or ``force``); never saves non-finite params (returns False)."""
         if not force and (self.every <= 0 or step % self.every):
+            return False
+        bad = [k for k in ("policy", "value") if not all_finite(trees[k])]
+        if bad:
+            log.error("checkpoint at step %d skipped: non-finite values in %s", step, bad)
             return False
         args = {k: ocp.args.StandardSave(trees[k]) for k in ITEMS}
         args["meta"] = ocp.args.JsonSave(meta)

@@ -22,15 +22,35 @@ def _clean(v: Any) -> Any:
 class MetricsWriter:
     """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True,
+                 resume_step: int | None = None) -> None:
         self.enabled = jax.process_index() == 0
         self.path = Path(run_dir) / "metrics.jsonl"
         self.t0 = time.time()
+        self.last: dict[str, Any] = {}
+        if resume_step is not None and self.path.exists() and self.enabled:
+            self._truncate(resume_step)
         self.tb = None
         if self.enabled and tensorboard:
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def _truncate(self, step: int) -> None:
+        """Drops rows past the checkpoint being resumed (a killed run may have logged steps
+        it never saved) and continues the wall clock where the kept rows left off."""
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by the kill
+            if row.get("step", 0) <= step:
+                kept.append(row)
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        if kept:
+            self.last = kept[-1]
+            self.t0 = time.time() - float(kept[-1].get("wall_time", 0.0))
 
     def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         row = {"step": step, "wall_time": time.time() - self.t0}

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,31 @@ from tppo_jax.train.step import (
 from tppo_jax.train.warmstart import warmstart
 
 log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+class _StopOnSignal:
+    """SIGTERM (preemption) asks the loop to finish the current step, checkpoint, and exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = None
+
+    def __enter__(self) -> _StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        log.warning("SIGTERM: finishing this step, saving a checkpoint, then exiting")
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
 
 
 @dataclass
@@ -141,6 +168,10 @@ def step_process_rewards(cfg: Config, tok: Tokenizer, rb: RolloutBatch, rows: np
     return out, float(np.mean(valid)) if valid else 0.0
 
 
+def _cache_tree(cache) -> dict[str, jax.Array]:
+    return {"k": cache.k, "v": cache.v, "lengths": cache.lengths}
+
+
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
           progress: bool = True) -> dict[str, Any]:
     """Runs T-PPO; returns a summary (before/after held-out accuracy, steps, time)."""
@@ -190,19 +221,22 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
         step0 = ckpt.latest_step()
         trees, meta = ckpt.restore(step0, {"policy": models.policy, "value": models.value,
                                            "policy_opt": opt_p, "value_opt": opt_v,
-                                           "slots": sched.state.to_dict()})
+                                           "slots": sched.state.to_dict(),
+                                           "kv_cache": _cache_tree(sched.cache)})
         models.policy, models.value = trees["policy"], trees["value"]
         opt_p, opt_v = trees["policy_opt"], trees["value_opt"]
         pipeline.load_state_json(meta["data_state"])
         sched.set_policy(policy_model(), meta["scheduler"]["policy_version"])
         sched.load_state_dict({**meta["scheduler"], "slots": trees["slots"]})
+        sched.restore_cache(trees["kv_cache"])
         start = int(meta["step"])
         log.info("resumed from step %d", start)
 
     grader = MathGrader(num_workers=cfg.reward.workers, item_timeout_s=cfg.reward.item_timeout_s,
                         batch_deadline_s=cfg.reward.batch_deadline_s,
                         correct_reward=cfg.reward.correct, wrong_reward=cfg.reward.wrong)
-    metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
+    metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard,
+                            resume_step=start if resume else None)
     ev = lambda: evaluate(policy_model(), tok, eval_rows, encode, grader,  # noqa: E731
                           max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len)
     before = ev() if start == 0 else json.loads((run_dir / "eval_before.json").read_text())
@@ -211,8 +245,13 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     bar = tqdm(range(start, cfg.train.steps), desc="T-PPO", disable=not progress,
                dynamic_ncols=True, initial=start, total=cfg.train.steps)
     last_step = start
-    train_time = 0.0  # wall-clock of training steps only (held-out evals excluded)
+    # Wall-clock of training steps only (held-out evals excluded), continued on resume.
+    train_time = float(metrics.last.get("train_time_s", 0.0))
+    skipped_in_a_row = 0
+    preempted = False
+    stopper = _StopOnSignal()
     try:
+        stopper.__enter__()
         for step in bar:
             t0 = time.time()
             rb = sched.step()
@@ -240,6 +279,13 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
             models.value, opt_v, vstats = value_update(
                 models.value_def, models.value, opt_v, train_batch, tx=tx_v, cfg=scfg)
             pstats, vstats = jax.device_get((pstats, vstats))
+            skipped = float(pstats.get("policy_skipped", 0.0)) + float(vstats["value_skipped"])
+            skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+            if skipped_in_a_row >= cfg.train.max_skipped_updates:
+                raise TrainingDiverged(
+                    f"step {step + 1}: non-finite loss or gradient in {skipped_in_a_row} "
+                    f"consecutive steps (updates skipped, params unchanged); last checkpoint: "
+                    f"step {ckpt.latest_step()} in {ckpt_dir}")
             t_update = time.time() - t0 - t_roll - t_grade
             sched.set_policy(policy_model(), step + 1)
             sched.release_finished(rb.finished)
@@ -275,19 +321,26 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 stop = True
             meta = {"step": step + 1, "data_state": pipeline.state_json(),
                     "scheduler": {k: v for k, v in sched.state_dict().items() if k != "slots"}}
-            is_last = step + 1 == cfg.train.steps or stop
+            preempted = stopper.requested
+            is_last = step + 1 == cfg.train.steps or stop or preempted
             ckpt.save(step + 1, {"policy": models.policy, "value": models.value,
                                  "policy_opt": opt_p, "value_opt": opt_v,
-                                 "slots": sched.state.to_dict()}, meta, force=is_last)
+                                 "slots": sched.state.to_dict(),
+                                 "kv_cache": _cache_tree(sched.cache)}, meta, force=is_last)
+            if preempted:
+                log.warning("preempted: checkpoint saved at step %d", step + 1)
+                break
             if stop:
                 log.info("stopping at step %d (target accuracy or time budget reached)", step + 1)
                 break
-        after = ev()
+        after = ev() if not preempted else None
     finally:
+        stopper.__exit__()
         ckpt.close()
         metrics.close()
         grader.close()
     summary = {"eval_before": before, "eval_after": after, "steps": last_step,
+               "preempted": preempted,
                "train_seconds": time.time() - t_start, "run_dir": str(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
