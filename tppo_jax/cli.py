@@ -68,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"tppo {args.command}: config error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # data errors name file:line; anything else propagates
+        from tppo_jax.data.readers import DataError
+
+        if not isinstance(e, DataError):
+            raise
+        print(f"tppo {args.command}: data error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"tppo {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -45,8 +45,10 @@ def cmd_train(args: argparse.Namespace) -> int:
               f"Continue with: tppo train --run-dir {summary['run_dir']} --resume")
         return 0
     b, a = summary["eval_before"], summary["eval_after"]
-    print(f"held-out accuracy (greedy, {len(a) and 'avg@1'}): before {b['avg@1']:.1f}% -> "
-          f"after {a['avg@1']:.1f}%  ({summary['steps']} steps, "
+    k = cfg.train.eval_samples
+    print(f"held-out accuracy, avg@{k} sampled at T={cfg.rollout.temperature}: "
+          f"{b['accuracy']:.1f}% -> {a['accuracy']:.1f}%; greedy: {b['greedy_accuracy']:.1f}% -> "
+          f"{a['greedy_accuracy']:.1f}%  ({summary['steps']} steps, "
           f"{summary['train_seconds']:.0f} s, run dir {summary['run_dir']})")
     return 0
 
@@ -60,8 +62,9 @@ def _preview_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_data_preview(args: argparse.Namespace) -> int:
     from tppo_jax.config import load_config
-    from tppo_jax.data.synthetic import SyntheticMathTask, length_histogram
+    from tppo_jax.data.synthetic import length_histogram
     from tppo_jax.train.trainer import load_data
+    from tppo_jax.train.warmstart import synthetic_task
 
     cfg = load_config(args.config, args.overrides)
     train_rows, _, fmt = load_data(cfg)
@@ -69,7 +72,7 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
         print(json.dumps({"prompt": fmt(ex), "answer": ex.answer, "solution": ex.solution},
                          indent=1))
     if cfg.data.source == "synthetic":
-        task = SyntheticMathTask(seed=cfg.data.seed, difficulty=cfg.data.difficulty)
+        task = synthetic_task(cfg)
         texts = task.teacher_corpus(512, 0.0, 0.0)
         print("solution length (characters) over 512 samples:")
         print(length_histogram([len(t.partition("\nA: ")[2]) for t in texts]))

@@ -25,7 +25,6 @@ from tqdm import tqdm
 from tppo_jax.config import Config, ConfigError, validate
 from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.data.readers import MathExample, read_examples
-from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import shard_model
 from tppo_jax.models.value import ValueModel
@@ -43,7 +42,7 @@ from tppo_jax.train.step import (
     rollout_targets,
     value_update,
 )
-from tppo_jax.train.warmstart import warmstart
+from tppo_jax.train.warmstart import synthetic_task, warmstart
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +118,7 @@ def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample], Any]:
     """(train, held-out, prompt formatter)."""
     d = cfg.data
     if d.source == "synthetic":
-        task = SyntheticMathTask(seed=d.seed, difficulty=d.difficulty)
+        task = synthetic_task(cfg)
         return task.sample(20000, "train"), task.sample(d.eval_size, "test"), task.prompt
     rows, report = read_examples(d.source, format=d.format, fields=d.fields or None,
                                  on_bad_row=d.on_bad_row)
@@ -133,15 +132,19 @@ def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample], Any]:
 
 def batch_arrays(rb: RolloutBatch, reward: np.ndarray, mesh,
                  token_rewards: np.ndarray | None = None) -> dict[str, jax.Array]:
-    """The rollout as device arrays, split over the mesh's batch axes."""
-    s = rb.tokens.shape[1]
-    attn = np.arange(s)[None] < rb.total_len[:, None]
-    arrays = {"tokens": rb.tokens, "attn": attn, "prompt_len": rb.prompt_len,
+    """The rollout as device arrays, split over the mesh's batch axes.
+
+    Columns are cut to the longest row rounded up to a multiple of 32: the updates then
+    cost what the batch needs, not the full buffer, and only a handful of widths compile.
+    """
+    width = min(rb.tokens.shape[1], -(-int(rb.total_len.max()) // 32) * 32)
+    attn = np.arange(width)[None] < rb.total_len[:, None]
+    arrays = {"tokens": rb.tokens[:, :width], "attn": attn, "prompt_len": rb.prompt_len,
               "window_start": rb.window_start, "window_len": rb.window_len,
               "finished": rb.finished, "reward": reward.astype(np.float32),
-              "sample_logprobs": rb.sample_logprobs}
+              "sample_logprobs": rb.sample_logprobs[:, :width]}
     if token_rewards is not None:
-        arrays["token_rewards"] = token_rewards
+        arrays["token_rewards"] = token_rewards[:, :width]
     return {k: jax.device_put(v, batch_sharding(mesh, np.ndim(v), np.shape(v)))
             for k, v in arrays.items()}
 
@@ -237,8 +240,16 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                         correct_reward=cfg.reward.correct, wrong_reward=cfg.reward.wrong)
     metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard,
                             resume_step=start if resume else None)
-    ev = lambda: evaluate(policy_model(), tok, eval_rows, encode, grader,  # noqa: E731
-                          max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len)
+    def ev() -> dict[str, float]:
+        """Held-out accuracy: avg@k sampled as in training (the headline) and greedy."""
+        kw = dict(max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len)
+        k = cfg.train.eval_samples
+        sampled = evaluate(policy_model(), tok, eval_rows, encode, grader, k=k,
+                           sampling=sampling, seed=cfg.train.seed, **kw)
+        greedy = evaluate(policy_model(), tok, eval_rows, encode, grader, **kw)
+        return {"accuracy": sampled[f"avg@{k}"], "greedy_accuracy": greedy["avg@1"],
+                **sampled, **{f"greedy_{n}": v for n, v in greedy.items()}}
+
     before = ev() if start == 0 else json.loads((run_dir / "eval_before.json").read_text())
     (run_dir / "eval_before.json").write_text(json.dumps(before))
     t_start = time.time()
@@ -316,7 +327,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
             if tc.eval_every and (step + 1) % tc.eval_every == 0:
                 res = ev()
                 metrics.write(step + 1, {f"eval_{k}": v for k, v in res.items()})
-                stop = tc.target_accuracy is not None and res["avg@1"] >= tc.target_accuracy
+                stop = tc.target_accuracy is not None and res["accuracy"] >= tc.target_accuracy
             if tc.time_budget_s is not None and time.time() - t_start >= tc.time_budget_s:
                 stop = True
             meta = {"step": step + 1, "data_state": pipeline.state_json(),

@@ -33,8 +33,15 @@ from tppo_jax.models.transformer import ModelConfig, Transformer, create_model
 log = logging.getLogger(__name__)
 
 TEACHER_WRONG_STEP_FRAC = 0.3
-TEACHER_NO_FORMAT_FRAC = 0.2
+TEACHER_NO_FORMAT_FRAC = 0.3
 TEACHER_SIZE = 20000
+
+
+def synthetic_task(cfg: Config) -> SyntheticMathTask:
+    """The embedded task as configured in ``cfg.data``."""
+    d = cfg.data
+    return SyntheticMathTask(seed=d.seed, difficulty=d.difficulty, max_operand=d.max_operand,
+                             max_value=d.max_value)
 
 
 def warmstart_key(cfg: Config) -> str:
@@ -42,7 +49,7 @@ def warmstart_key(cfg: Config) -> str:
                        "train": [cfg.train.warmstart_steps, cfg.train.warmstart_lr,
                                  cfg.train.warmstart_batch],
                        "teacher": [TEACHER_WRONG_STEP_FRAC, TEACHER_NO_FORMAT_FRAC,
-                                   TEACHER_SIZE], "v": 1}, sort_keys=True)
+                                   TEACHER_SIZE], "v": 2}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -94,7 +101,7 @@ def warmstart(cfg: Config, cache_root: Path, *, progress: bool = True
         return tok, from_pretrained(cache / "policy", dtype=cfg.model.dtype), cache
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    task = SyntheticMathTask(seed=cfg.data.seed, difficulty=cfg.data.difficulty)
+    task = synthetic_task(cfg)
     texts = task.teacher_corpus(TEACHER_SIZE, TEACHER_WRONG_STEP_FRAC, TEACHER_NO_FORMAT_FRAC)
     tok = train_sentencepiece(texts, cache / "tokenizer", vocab_size=128)
     seq_len = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
