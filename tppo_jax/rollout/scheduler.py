@@ -100,13 +100,14 @@ class TruncatedRolloutScheduler:
       slots: B; group_size: G samples per prompt.
       kv_policy: ``keep`` reuses the cache computed under older weights; ``reprefill``
         recomputes every continuing row's cache under the current weights (exact).
+      mesh: lay the KV cache out on this mesh (slots split over data/fsdp).
     """
 
     def __init__(self, model: nnx.Module, prompts: Iterator[MathExample],
                  encode_prompt: Callable[[MathExample], list[int]], *, slots: int,
                  group_size: int, max_prompt_len: int, max_response_len: int, window: int,
                  eos_id: int, sampling: SamplingParams, kv_policy: Literal["keep", "reprefill"],
-                 seed: int = 0) -> None:
+                 seed: int = 0, mesh: Any = None) -> None:
         self.model = model
         self.prompts = prompts
         self.encode_prompt = encode_prompt
@@ -121,7 +122,8 @@ class TruncatedRolloutScheduler:
         self.rng = jax.random.key(seed)
         self.state = SlotState.empty(self.B, self.S)
         self.examples: dict[int, MathExample] = {}
-        self.cache = model.init_cache(self.B, self.S)
+        self.mesh = mesh
+        self.cache = self._new_cache()
         self.policy_version = 0
         self.step_count = 0
         self._next_seq = 0
@@ -129,6 +131,11 @@ class TruncatedRolloutScheduler:
         self.stats: dict[str, float] = {"slot_steps": 0.0, "useful_tokens": 0.0}
         self._force_prefill = False
         self.pending: deque[int] = deque()
+
+    def _new_cache(self):
+        """An empty cache, laid out on the mesh (slots over the batch axes) when given one."""
+        cache = self.model.init_cache(self.B, self.S)
+        return cache.shard(self.mesh) if self.mesh is not None else cache
 
     # ------------------------------------------------------------------ slot management
     def set_policy(self, model: nnx.Module, version: int) -> None:
@@ -223,12 +230,14 @@ class TruncatedRolloutScheduler:
         self.examples = {int(g): MathExample(**e) for g, e in d["examples"].items()}
         self.policy_version = int(d["policy_version"])
         # Without a saved cache every live row is re-prefilled (see ``restore_cache``).
-        self.cache = self.model.init_cache(self.B, self.S)
+        self.cache = self._new_cache()
         self._force_prefill = True
 
     def restore_cache(self, tree: dict[str, Any]) -> None:
         """Restores a checkpointed KV cache (``k``, ``v``, ``lengths``) so continuations
         resume exactly as in an uninterrupted run (no re-prefill)."""
-        self.cache = self.cache.replace(k=jnp.asarray(tree["k"]), v=jnp.asarray(tree["v"]),
-                                        lengths=jnp.asarray(tree["lengths"]))
+        place = lambda x, like: jax.device_put(x, like.sharding)  # noqa: E731
+        self.cache = self.cache.replace(k=place(tree["k"], self.cache.k),
+                                        v=place(tree["v"], self.cache.v),
+                                        lengths=place(tree["lengths"], self.cache.lengths))
         self._force_prefill = False

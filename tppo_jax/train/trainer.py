@@ -171,6 +171,20 @@ def step_process_rewards(cfg: Config, tok: Tokenizer, rb: RolloutBatch, rows: np
     return out, float(np.mean(valid)) if valid else 0.0
 
 
+def _on_mesh(tree: Any, mesh) -> Any:
+    """Puts leaves that live off the mesh (optimizer step counts, restored scalars) on it,
+    replicated; a jitted step refuses arguments committed to different device sets."""
+    devices = set(mesh.devices.flat)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def put(x):
+        if isinstance(x, jax.Array) and set(x.sharding.device_set) == devices:
+            return x
+        return jax.device_put(x, rep)
+
+    return jax.tree.map(put, tree)
+
+
 def _cache_tree(cache) -> dict[str, jax.Array]:
     return {"k": cache.k, "v": cache.v, "lengths": cache.lengths}
 
@@ -212,12 +226,14 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                       temperature=r.temperature if r.temperature > 0 else 1.0)
     tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim)
     tx_v = make_optimizer(cfg.optim.value_lr, cfg.optim)
-    opt_p, opt_v = tx_p.init(models.policy), tx_v.init(models.value)
+    opt_p = _on_mesh(tx_p.init(models.policy), mesh)
+    opt_v = _on_mesh(tx_v.init(models.value), mesh)
     policy_model = lambda: nnx.merge(models.policy_def, models.policy)  # noqa: E731
     sched = TruncatedRolloutScheduler(
         policy_model(), prompts, encode, slots=r.slots, group_size=r.group_size,
         max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len, window=r.window,
-        eos_id=tok.eos_id, sampling=sampling, kv_policy=r.kv_policy, seed=cfg.train.seed)
+        eos_id=tok.eos_id, sampling=sampling, kv_policy=r.kv_policy, seed=cfg.train.seed,
+        mesh=mesh)
     ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
     start = 0
     if resume and ckpt.latest_step() is not None:
@@ -227,7 +243,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                                            "slots": sched.state.to_dict(),
                                            "kv_cache": _cache_tree(sched.cache)})
         models.policy, models.value = trees["policy"], trees["value"]
-        opt_p, opt_v = trees["policy_opt"], trees["value_opt"]
+        opt_p, opt_v = _on_mesh(trees["policy_opt"], mesh), _on_mesh(trees["value_opt"], mesh)
         pipeline.load_state_json(meta["data_state"])
         sched.set_policy(policy_model(), meta["scheduler"]["policy_version"])
         sched.load_state_dict({**meta["scheduler"], "slots": trees["slots"]})
