@@ -172,7 +172,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = {"tppo-vs-ppo": "tppo_vs_ppo", "decode": "decode", "intensity": "intensity"}
+BENCHMARKS = {"tppo-vs-ppo": "tppo_vs_ppo", "decode": "decode", "intensity": "intensity",
+              "accelerator": "accelerator"}
 
 
 def _available_benchmarks() -> list[str]:
