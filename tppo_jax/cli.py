@@ -10,7 +10,8 @@ from collections.abc import Callable
 from tppo_jax.config import ConfigError, load_config
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    """``--config FILE`` and ``key=value`` overrides, shared by every config-driven command."""
     p.add_argument("--config", default=None,
                    help="YAML file or shipped config name (default: the embedded default)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
@@ -33,7 +34,7 @@ def register(name: str, help_text: str, add_args: Callable[[argparse.ArgumentPar
     COMMANDS[name] = (help_text, add_args, run)
 
 
-register("config", "print the resolved, validated config", _add_config_args, cmd_config)
+register("config", "print the resolved, validated config", add_config_args, cmd_config)
 
 
 def _register_optional() -> None:

@@ -9,16 +9,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None,
-                   help="YAML file or shipped config name (default: the embedded default)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config overrides, e.g. rollout.window=64 train.steps=10")
+from tppo_jax.cli import add_config_args
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
-    _config_args(p)
+    add_config_args(p)
     p.add_argument("--run-dir", default=None,
                    help="output directory (default: runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
@@ -56,7 +51,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _preview_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=["preview"], default="preview",
                    help="preview (default): samples and the solution-length histogram")
-    _config_args(p)
+    add_config_args(p)
     p.add_argument("-n", type=int, default=3, help="samples to print")
 
 
