@@ -95,14 +95,14 @@ class AlgoConfig:
 class OptimConfig:
     """Separate AdamW optimizers for policy and critic; linear warm-up then constant."""
 
-    policy_lr: float = 3e-4
+    policy_lr: float = 2e-4
     value_lr: float = 5e-4
     warmup_steps: int = 5
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.999
     grad_clip: float = 1.0
-    minibatches: int = 4
+    minibatches: int = 2
     epochs: int = 1
 
 
@@ -114,7 +114,7 @@ class DataConfig:
     on_bad_row: Literal["error", "skip"] = "error"
     difficulty: float = 1.0  # synthetic task: mean extra steps per problem (long tail)
     max_operand: int = 9  # synthetic task: largest number added or subtracted
-    max_value: int = 50  # synthetic task: running values stay in [0, max_value]
+    max_value: int = 20  # synthetic task: running values stay in [0, max_value]
     eval_size: int = 128
     seed: int = 0
 
@@ -155,14 +155,14 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 40
+    steps: int = 60
     seed: int = 0
     eval_every: int = 0  # 0 = only before and after
     eval_samples: int = 4  # held-out avg@k: k samples per question at rollout.temperature
     target_accuracy: float | None = None  # stop once held-out avg@1 (percent) reaches it
     time_budget_s: float | None = None  # stop after this much training wall-clock
     max_skipped_updates: int = 3  # consecutive non-finite updates before the run stops
-    warmstart_steps: int = 500  # supervised steps on the teacher corpus (tiny model)
+    warmstart_steps: int = 800  # supervised steps on the teacher corpus (tiny model)
     warmstart_lr: float = 3e-3
     warmstart_batch: int = 32
 

@@ -32,8 +32,8 @@ from tppo_jax.models.transformer import ModelConfig, Transformer, create_model
 
 log = logging.getLogger(__name__)
 
-TEACHER_WRONG_STEP_FRAC = 0.3
-TEACHER_NO_FORMAT_FRAC = 0.3
+TEACHER_WRONG_STEP_FRAC = 0.2
+TEACHER_NO_FORMAT_FRAC = 0.6
 TEACHER_SIZE = 20000
 
 
@@ -49,7 +49,7 @@ def warmstart_key(cfg: Config) -> str:
                        "train": [cfg.train.warmstart_steps, cfg.train.warmstart_lr,
                                  cfg.train.warmstart_batch],
                        "teacher": [TEACHER_WRONG_STEP_FRAC, TEACHER_NO_FORMAT_FRAC,
-                                   TEACHER_SIZE], "v": 2}, sort_keys=True)
+                                   TEACHER_SIZE], "v": 3}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
