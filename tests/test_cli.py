@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import numpy as np
-
 from tppo_jax.benchmarks.intensity import schedule_occupancy
 
 

@@ -56,6 +56,8 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     kv_policy: Literal["keep", "reprefill"] = "keep"
+    # paged: one shared page pool (fewer prompts are admitted when it is short)
+    kv_cache: Literal["dense", "paged"] = "dense"
     page_size: int = 16
     num_pages: int = 0  # 0 = enough for every slot at full length
 

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, serialization
 
 from tppo_jax.data.readers import MathExample
 from tppo_jax.rollout.generate import SamplingParams, prefill_and_decode
@@ -52,7 +52,7 @@ class RolloutBatch:
     sample_logprobs: np.ndarray
     policy_version: np.ndarray
     group_id: np.ndarray
-    examples: list[MathExample]
+    examples: list[MathExample | None]  # None for a slot left empty (paged pool short)
     reward: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     correct: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
 
@@ -101,13 +101,19 @@ class TruncatedRolloutScheduler:
       kv_policy: ``keep`` reuses the cache computed under older weights; ``reprefill``
         recomputes every continuing row's cache under the current weights (exact).
       mesh: lay the KV cache out on this mesh (slots split over data/fsdp).
+      kv_cache: ``dense`` (one ``[S]`` row per slot) or ``paged`` (a shared pool of
+        ``num_pages`` pages of ``page_size`` tokens; 0 = enough for every slot at full
+        length). When the pool is short, continuations get their pages first and fewer
+        fresh prompts are admitted (their slots sit idle this step); no live page is
+        ever overwritten.
     """
 
     def __init__(self, model: nnx.Module, prompts: Iterator[MathExample],
                  encode_prompt: Callable[[MathExample], list[int]], *, slots: int,
                  group_size: int, max_prompt_len: int, max_response_len: int, window: int,
                  eos_id: int, sampling: SamplingParams, kv_policy: Literal["keep", "reprefill"],
-                 seed: int = 0, mesh: Any = None) -> None:
+                 seed: int = 0, mesh: Any = None, kv_cache: Literal["dense", "paged"] = "dense",
+                 page_size: int = 16, num_pages: int = 0) -> None:
         self.model = model
         self.prompts = prompts
         self.encode_prompt = encode_prompt
@@ -123,6 +129,10 @@ class TruncatedRolloutScheduler:
         self.state = SlotState.empty(self.B, self.S)
         self.examples: dict[int, MathExample] = {}
         self.mesh = mesh
+        self.kv_cache = kv_cache
+        self.page_size = page_size
+        self.max_pages = -(-self.S // page_size)
+        self.num_pages = num_pages or self.B * self.max_pages
         self.cache = self._new_cache()
         self.policy_version = 0
         self.step_count = 0
@@ -134,8 +144,39 @@ class TruncatedRolloutScheduler:
 
     def _new_cache(self):
         """An empty cache, laid out on the mesh (slots over the batch axes) when given one."""
+        if self.kv_cache == "paged":
+            from tppo_jax.rollout import pages as pg
+            from tppo_jax.rollout.paged_cache import PagedKVCache, init_pools
+
+            c = self.model.config
+            k, v = init_pools(c.num_layers, c.num_kv_heads, self.num_pages, self.page_size,
+                              c.head_dim, c.jnp_dtype)
+            state = pg.init(self.num_pages, self.B, self.max_pages, self.page_size)
+            return PagedKVCache(state, k, v, jnp.arange(self.B, dtype=jnp.int32))
         cache = self.model.init_cache(self.B, self.S)
         return cache.shard(self.mesh) if self.mesh is not None else cache
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-max(tokens, 0) // self.page_size)
+
+    def _reserve_pages(self, budget: np.ndarray, new_rows: np.ndarray) -> np.ndarray:
+        """Paged mode: reserves this window's pages (continuations already hold theirs up to
+        ``total_len - 1``). Returns rows that could not get pages (they sit out the window)."""
+        from tppo_jax.rollout import pages as pg
+
+        st = self.state
+        state = self.cache.pages
+        want = np.where(st.live, st.total_len - 1 + budget, 0)
+        held = np.asarray(state.slot_len)
+        need = np.maximum(want - np.where(new_rows, 0, held), 0)
+        # Continuations first: reserve for them, then for the new rows in slot order.
+        for group in (st.live & ~new_rows, new_rows):
+            state, ok = pg.reserve(state, jnp.asarray(group), jnp.asarray(need.astype(np.int32)))
+            group_fail = group & ~np.asarray(ok)
+            if group_fail.any():
+                self._stalled |= group_fail
+        self.cache = self.cache.replace(pages=state)
+        return self._stalled
 
     # ------------------------------------------------------------------ slot management
     def set_policy(self, model: nnx.Module, version: int) -> None:
@@ -149,7 +190,25 @@ class TruncatedRolloutScheduler:
         rows that need a prefill."""
         st = self.state
         new_rows = np.zeros(self.B, bool)
+        free_pages = None
+        if self.kv_cache == "paged":
+            from tppo_jax.rollout import pages as pg
+
+            held = np.asarray(pg.pages_held(self.cache.pages))
+            grow = [self._pages_for(int(st.total_len[r]) - 1 + self.window) - int(held[r])
+                    for r in np.flatnonzero(st.live)]
+            free_pages = int(pg.num_free_pages(self.cache.pages)) - sum(max(g, 0) for g in grow)
         for r in np.flatnonzero(~st.live):
+            if free_pages is not None:
+                nxt = self.pending[0] if self.pending else None
+                ex = self.examples[nxt] if nxt is not None else None
+                plen = len(self.encode_prompt(ex)[-self.P:]) if ex is not None else self.P
+                need = self._pages_for(plen - 1 + self.window)
+                if need > free_pages:
+                    self.stats["admissions_deferred"] = self.stats.get(
+                        "admissions_deferred", 0.0) + 1
+                    break  # pool short: admit fewer prompts this step
+                free_pages -= need
             if not self.pending:
                 ex = next(self.prompts)
                 gid = self._next_group
@@ -172,8 +231,15 @@ class TruncatedRolloutScheduler:
         return new_rows
 
     def release_finished(self, finished: np.ndarray) -> None:
-        """Frees the slots of finished rows (their cache rows are overwritten on reuse)."""
+        """Frees the slots of finished rows (dense: rows are overwritten on reuse; paged: their
+        pages go back to the pool now)."""
+        finished = finished & self.state.live
         self.state.live &= ~finished
+        if self.kv_cache == "paged" and finished.any():
+            from tppo_jax.rollout import pages as pg
+
+            self.cache = self.cache.replace(pages=pg.free(self.cache.pages,
+                                                          jnp.asarray(finished)))
         live_groups = set(self.state.group_id[self.state.live].tolist()) | set(self.pending)
         self.examples = {g: e for g, e in self.examples.items() if g in live_groups}
 
@@ -182,11 +248,18 @@ class TruncatedRolloutScheduler:
         st = self.state
         new_rows = self._admit()
         prefill_rows = new_rows | (self.kv_policy == "reprefill") | self._force_prefill
+        prefill_rows &= st.live
         self._force_prefill = False
         budget = np.minimum(self.window, st.prompt_len + self.L - st.total_len).astype(np.int32)
+        self._stalled = np.zeros(self.B, bool)
+        if self.kv_cache == "paged":
+            self._reserve_pages(budget, new_rows)
+        active = st.live & ~self._stalled
+        budget = np.where(active, budget, 0).astype(np.int32)
         out, self.cache = prefill_and_decode(
             self.model, self.cache, jnp.asarray(st.tokens), jnp.asarray(st.total_len),
-            jnp.asarray(prefill_rows), jnp.ones(self.B, bool), jnp.asarray(budget), self.rng,
+            jnp.asarray(prefill_rows & active), jnp.asarray(active), jnp.asarray(budget),
+            self.rng,
             jnp.asarray(st.seq_id.astype(np.uint32)), jnp.int32(self.step_count),
             window=self.window, eos_id=self.eos_id, params=self.sampling)
         toks, lps, count, hit_eos, steps = jax.device_get(tuple(out))
@@ -199,9 +272,9 @@ class TruncatedRolloutScheduler:
             st.policy_version[r, a:a + n] = self.policy_version
         st.total_len += count
         window_index = st.windows_done.copy()
-        st.windows_done += 1
+        st.windows_done += active
         response_len = st.total_len - st.prompt_len
-        finished = hit_eos | (response_len >= self.L) | (st.windows_done >= self.K)
+        finished = active & (hit_eos | (response_len >= self.L) | (st.windows_done >= self.K))
         self.step_count += 1
         self.stats["slot_steps"] += float(self.B * int(steps))
         self.stats["useful_tokens"] += float(count.sum())
@@ -211,7 +284,8 @@ class TruncatedRolloutScheduler:
             finished=finished, window_index=window_index,
             sample_logprobs=st.sample_logprobs.copy(), policy_version=st.policy_version.copy(),
             group_id=st.group_id.copy(),
-            examples=[self.examples[int(g)] for g in st.group_id],
+            examples=[self.examples.get(int(g)) if live else None
+                      for g, live in zip(st.group_id, st.live, strict=True)],
         )
 
     # ------------------------------------------------------------------ checkpointing
@@ -233,11 +307,14 @@ class TruncatedRolloutScheduler:
         self.cache = self._new_cache()
         self._force_prefill = True
 
+    def cache_state(self) -> dict[str, Any]:
+        """The KV cache (dense or paged, with its page table) as a nested dict of arrays."""
+        return serialization.to_state_dict(self.cache)
+
     def restore_cache(self, tree: dict[str, Any]) -> None:
-        """Restores a checkpointed KV cache (``k``, ``v``, ``lengths``) so continuations
-        resume exactly as in an uninterrupted run (no re-prefill)."""
-        place = lambda x, like: jax.device_put(x, like.sharding)  # noqa: E731
-        self.cache = self.cache.replace(k=place(tree["k"], self.cache.k),
-                                        v=place(tree["v"], self.cache.v),
-                                        lengths=place(tree["lengths"], self.cache.lengths))
+        """Restores a ``cache_state()`` so continuations resume exactly as in an
+        uninterrupted run (no re-prefill); arrays keep the live cache's placement."""
+        placed = jax.tree.map(lambda x, like: jax.device_put(x, like.sharding),
+                              tree, serialization.to_state_dict(self.cache))
+        self.cache = serialization.from_state_dict(self.cache, placed)
         self._force_prefill = False

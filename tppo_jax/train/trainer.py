@@ -185,10 +185,6 @@ def _on_mesh(tree: Any, mesh) -> Any:
     return jax.tree.map(put, tree)
 
 
-def _cache_tree(cache) -> dict[str, jax.Array]:
-    return {"k": cache.k, "v": cache.v, "lengths": cache.lengths}
-
-
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
           progress: bool = True) -> dict[str, Any]:
     """Runs T-PPO; returns a summary (before/after held-out accuracy, steps, time)."""
@@ -233,7 +229,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
         policy_model(), prompts, encode, slots=r.slots, group_size=r.group_size,
         max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len, window=r.window,
         eos_id=tok.eos_id, sampling=sampling, kv_policy=r.kv_policy, seed=cfg.train.seed,
-        mesh=mesh)
+        mesh=mesh, kv_cache=r.kv_cache, page_size=r.page_size, num_pages=r.num_pages)
     ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
     start = 0
     if resume and ckpt.latest_step() is not None:
@@ -241,7 +237,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
         trees, meta = ckpt.restore(step0, {"policy": models.policy, "value": models.value,
                                            "policy_opt": opt_p, "value_opt": opt_v,
                                            "slots": sched.state.to_dict(),
-                                           "kv_cache": _cache_tree(sched.cache)})
+                                           "kv_cache": sched.cache_state()})
         models.policy, models.value = trees["policy"], trees["value"]
         opt_p, opt_v = _on_mesh(trees["policy_opt"], mesh), _on_mesh(trees["value_opt"], mesh)
         pipeline.load_state_json(meta["data_state"])
@@ -282,6 +278,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
         for step in bar:
             t0 = time.time()
             rb = sched.step()
+            idle = int((~sched.state.live).sum())  # paged pool short: slots left empty
             t_roll = time.time() - t0
             fin = np.flatnonzero(rb.finished)
             reward = np.zeros(r.slots, np.float32)
@@ -331,6 +328,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 **{f"grade_{k}": v for k, v in counts.items()},
                 **({"steps_all_valid_frac": steps_valid} if steps_valid is not None else {}),
                 "tokens": int(rb.window_len.sum()),
+                "idle_slots": idle,
                 "time_rollout_s": t_roll, "time_grading_s": t_grade, "time_update_s": t_update,
                 "tokens_per_s": float(rb.window_len.sum()) / max(time.time() - t0, 1e-9),
                 "train_time_s": train_time + (time.time() - t0),
@@ -353,7 +351,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
             ckpt.save(step + 1, {"policy": models.policy, "value": models.value,
                                  "policy_opt": opt_p, "value_opt": opt_v,
                                  "slots": sched.state.to_dict(),
-                                 "kv_cache": _cache_tree(sched.cache)}, meta, force=is_last)
+                                 "kv_cache": sched.cache_state()}, meta, force=is_last)
             if preempted:
                 log.warning("preempted: checkpoint saved at step %d", step + 1)
                 break
