@@ -115,12 +115,14 @@ def test_paged_equals_dense_and_short_pool_admits_fewer():
     from tppo_jax.train.step import policy_token_logprobs
 
     dense, paged = _scheduler(window=8), _scheduler(window=8, cache="paged")
-    for _ in range(3):
+    for _ in range(4):
         a, b = dense.step(), paged.step()
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.sample_logprobs, b.sample_logprobs, atol=1e-5)
         dense.release_finished(a.finished)
         paged.release_finished(b.finished)
+    # The G=2 samples of a prompt admitted together prefilled it once and share its pages.
+    assert paged.stats["shared_prefills"] > 0
 
     # 6 slots x (12 + 24) tokens would need 54 pages of 4; give it 20.
     short = _scheduler(window=8, cache="paged", pages=20)

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx, serialization
 
 from tppo_jax.data.readers import MathExample
-from tppo_jax.rollout.generate import SamplingParams, prefill_and_decode
+from tppo_jax.rollout.generate import SamplingParams, prefill, prefill_and_decode
 
 
 @dataclass
@@ -88,6 +88,18 @@ class SlotState:
 
     def to_dict(self) -> dict[str, np.ndarray]:
         return dict(self.__dict__)
+
+
+@nnx.jit
+def _prefill_rows(model, cache, tokens, total_len, rows):
+    return prefill(model, cache, tokens, total_len, rows)
+
+
+@jax.jit
+def _copy_tail(k, v, tail_src, tail_dst):
+    from tppo_jax.rollout import pages as pg
+
+    return jax.vmap(pg.copy_pages, in_axes=(0, 0, None, None))(k, v, tail_src, tail_dst)
 
 
 class TruncatedRolloutScheduler:
@@ -159,6 +171,44 @@ class TruncatedRolloutScheduler:
     def _pages_for(self, tokens: int) -> int:
         return -(-max(tokens, 0) // self.page_size)
 
+    def _share_prompts(self, new_rows: np.ndarray) -> np.ndarray:
+        """Paged + keep: the G samples of a prompt admitted together prefill it once. The
+        first row of each group is prefilled; the others take its full pages by reference
+        (refcount) and a private copy of the partial last page. Returns the rows that are
+        now prefilled (so the window's prefill skips them)."""
+        from tppo_jax.rollout import pages as pg
+
+        st = self.state
+        groups: dict[int, list[int]] = {}
+        for r in np.flatnonzero(new_rows):
+            groups.setdefault(int(st.group_id[r]), []).append(int(r))
+        groups = {g: rows for g, rows in groups.items() if len(rows) > 1}
+        done = np.zeros(self.B, bool)
+        if not groups:
+            return done
+        src = np.zeros(self.B, bool)
+        src[[rows[0] for rows in groups.values()]] = True
+        state, ok = pg.reserve(self.cache.pages, jnp.asarray(src),
+                               jnp.asarray(np.maximum(st.total_len - 1, 0).astype(np.int32)))
+        src &= np.asarray(ok)
+        self.cache = _prefill_rows(self.model, self.cache.replace(pages=state),
+                                   jnp.asarray(st.tokens), jnp.asarray(st.total_len),
+                                   jnp.asarray(src))
+        done |= src
+        for rows in groups.values():
+            if not src[rows[0]]:
+                continue
+            dst = np.zeros(self.B, bool)
+            dst[rows[1:]] = True
+            state, ok, tail_src, tail_dst = pg.share_prefix(self.cache.pages, rows[0],
+                                                            jnp.asarray(dst))
+            k, v = _copy_tail(self.cache.k, self.cache.v, tail_src, tail_dst)
+            self.cache = self.cache.replace(pages=state, k=k, v=v)
+            done |= dst & np.asarray(ok)
+        self.stats["shared_prefills"] = self.stats.get("shared_prefills", 0.0) + float(
+            (done & ~src).sum())
+        return done
+
     def _reserve_pages(self, budget: np.ndarray, new_rows: np.ndarray) -> np.ndarray:
         """Paged mode: reserves this window's pages (continuations already hold theirs up to
         ``total_len - 1``). Returns rows that could not get pages (they sit out the window)."""
@@ -167,8 +217,8 @@ class TruncatedRolloutScheduler:
         st = self.state
         state = self.cache.pages
         want = np.where(st.live, st.total_len - 1 + budget, 0)
-        held = np.asarray(state.slot_len)
-        need = np.maximum(want - np.where(new_rows, 0, held), 0)
+        held = np.asarray(state.slot_len)  # shared prompts already hold their prefix
+        need = np.maximum(want - held, 0)
         # Continuations first: reserve for them, then for the new rows in slot order.
         for group in (st.live & ~new_rows, new_rows):
             state, ok = pg.reserve(state, jnp.asarray(group), jnp.asarray(need.astype(np.int32)))
@@ -253,6 +303,9 @@ class TruncatedRolloutScheduler:
         budget = np.minimum(self.window, st.prompt_len + self.L - st.total_len).astype(np.int32)
         self._stalled = np.zeros(self.B, bool)
         if self.kv_cache == "paged":
+            # Sharing needs the prompt's KV to stay fixed, so not with reprefill.
+            if self.kv_policy == "keep" and self.G > 1:
+                prefill_rows &= ~self._share_prompts(new_rows)
             self._reserve_pages(budget, new_rows)
         active = st.live & ~self._stalled
         budget = np.where(active, budget, 0).astype(np.int32)
