@@ -80,3 +80,52 @@ def test_serve_stream_reject_and_stop(server, capsys):
     assert proc.wait(timeout=60) == 0, Path(log).read_text()[-3000:]
     text = log.read_text()
     assert "stopped" in text and "Traceback" not in text
+
+
+def test_hundred_concurrent_streams_plus_malformed(server):
+    """100 concurrent streamed requests and a burst of malformed ones: every valid request
+    completes with tokens, every malformed one gets INVALID_ARGUMENT, and the server still
+    answers a health check afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from jetstream.core.proto import jetstream_pb2_grpc
+
+    _, port, log = server
+    req = jetstream_pb2.DecodeRequest
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+
+    def good(i):
+        r = req(max_tokens=4, token_content=req.TokenContent(token_ids=[5 + i % 7, 6, 7]))
+        n = 0
+        for resp in stub.Decode(r, timeout=240):
+            n += sum(len(s.token_ids) for s in resp.stream_content.samples)
+        return n
+
+    bad_requests = [
+        req(max_tokens=4, token_content=req.TokenContent(token_ids=[5, 10**6])),  # bad id
+        req(max_tokens=-3, token_content=req.TokenContent(token_ids=[5])),  # negative
+        req(max_tokens=4, token_content=req.TokenContent(token_ids=[5] * 100_000)),  # oversize
+        req(max_tokens=4, token_content=req.TokenContent()),  # empty
+    ]
+
+    def bad(r):
+        try:
+            list(stub.Decode(r, timeout=60))
+        except grpc.RpcError as e:
+            return e.code()
+        return None
+
+    try:
+        with ThreadPoolExecutor(max_workers=32) as pool:
+            goods = [pool.submit(good, i) for i in range(100)]
+            bads = [pool.submit(bad, r) for r in bad_requests * 3]
+            counts = [f.result(timeout=300) for f in goods]
+            codes = [f.result(timeout=120) for f in bads]
+        assert all(c >= 1 for c in counts), counts
+        assert all(c == grpc.StatusCode.INVALID_ARGUMENT for c in codes), codes
+        health = stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30)
+        assert health.is_live, Path(log).read_text()[-2000:]
+    finally:
+        channel.close()

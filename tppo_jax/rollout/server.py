@@ -73,8 +73,10 @@ class JetStreamTokenizer(tokenizer_api.Tokenizer):
         return {self.eos_id}  # the engine stops on EOS only; pad is a normal token
 
 
-def validate_request(request: jetstream_pb2.DecodeRequest, vocab_size: int) -> str | None:
-    """Why ``request`` cannot be served, or None if it is fine."""
+def validate_request(request: jetstream_pb2.DecodeRequest, vocab_size: int,
+                     max_prompt_tokens: int | None = None) -> str | None:
+    """Why ``request`` cannot be served, or None if it is fine. A prompt longer than the
+    engine's prefill length is refused rather than silently truncated."""
     if request.max_tokens < 1:
         return f"max_tokens must be >= 1, got {request.max_tokens}"
     which = request.WhichOneof("content")
@@ -90,21 +92,25 @@ def validate_request(request: jetstream_pb2.DecodeRequest, vocab_size: int) -> s
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         return f"token ids out of vocabulary [0, {vocab_size}): {bad[:5]}"
+    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+        return f"prompt has {len(ids)} tokens; this server takes at most {max_prompt_tokens}"
     return None
 
 
 class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
     """JetStream's servicer, rejecting malformed requests before they reach the driver."""
 
-    def __init__(self, driver: orchestrator.Driver, vocab_size: int) -> None:
+    def __init__(self, driver: orchestrator.Driver, vocab_size: int,
+                 max_prompt_tokens: int | None = None) -> None:
         super().__init__(driver=driver)
         self._vocab_size = vocab_size
+        self._max_prompt_tokens = max_prompt_tokens
 
     async def Decode(  # noqa: N802  (gRPC method name)
         self, request: jetstream_pb2.DecodeRequest,
         context: grpc.aio.ServicerContext | None = None,
     ) -> AsyncIterator[jetstream_pb2.DecodeResponse]:
-        err = validate_request(request, self._vocab_size)
+        err = validate_request(request, self._vocab_size, self._max_prompt_tokens)
         if err is not None:
             log.warning("rejected request: %s", err)
             if context is None:
@@ -145,7 +151,7 @@ class EngineServer:
         async def build() -> tuple[grpc.aio.Server, int]:
             server = grpc.aio.server(self._executor)
             jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
-                ValidatingOrchestrator(self.driver, vocab), server)
+                ValidatingOrchestrator(self.driver, vocab, engine.max_prefill_length), server)
             return server, server.add_insecure_port(f"{bind}:{port}")
 
         self._server, self.port = self._run(build())
