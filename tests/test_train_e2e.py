@@ -58,3 +58,16 @@ def test_smoke_train_then_resume(tmp_path):
     model = from_pretrained(tmp_path / "hf")
     tok = Tokenizer.load(tmp_path / "hf")
     assert model.config.vocab_size == tok.vocab_size
+
+    # Numerical fault injection: an absurd learning rate turns the params to inf after the
+    # first update; every later update is skipped and the run stops with a clear error.
+    bad = tmp_path / "runs" / "nan"
+    r = _tppo("train", "--config", "smoke", "--run-dir", str(bad), "--no-progress",
+              "optim.policy_lr=1e30", "optim.value_lr=1e30", "train.steps=8",
+              "checkpoint.every=1", cwd=tmp_path)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "non-finite loss or gradient in 3 consecutive steps" in r.stderr
+    rows = [json.loads(x) for x in (bad / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["policy_skipped"] + rows[-1]["value_skipped"] > 0
+    # The stop names the last checkpoint to go back to.
+    assert "last checkpoint: step" in r.stderr
