@@ -138,3 +138,24 @@ def shard_batch(mesh: Mesh, tree):
 
 def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def reshard(tree, shardings):
+    """Moves a pytree of arrays to new shardings (e.g. FSDP training layout -> tensor-parallel
+    decode layout) with one explicit ``jax.device_put``: devices exchange shards directly,
+    nothing is gathered on one host. ``shardings`` mirrors ``tree`` (or is one sharding)."""
+    return jax.device_put(tree, shardings)
+
+
+def layout_rules(kind: str) -> dict[str, str | tuple[str, ...] | None]:
+    """Rule tables for the two layouts a run moves weights between.
+
+    ``train``: ``LOGICAL_RULES`` (FSDP over ``fsdp``, heads/mlp/vocab over ``tensor``).
+    ``decode``: weights replicated over the batch axes and split only over ``tensor`` (decode
+    is bandwidth-bound; gathering FSDP shards every token would dominate).
+    """
+    if kind == "train":
+        return dict(LOGICAL_RULES)
+    if kind == "decode":
+        return {**LOGICAL_RULES, "embed": None}
+    raise ValueError(f"layout must be 'train' or 'decode', got {kind!r}")
