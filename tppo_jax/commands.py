@@ -93,7 +93,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_run_policy(run_dir: Path, step: int | None):
+def load_run_policy(run_dir: Path, step: int | None):
     """(config, tokenizer, policy model, step) of a run's checkpoint (latest by default)."""
     from flax import nnx
 
@@ -131,7 +131,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tppo_jax.train.trainer import load_data
 
     run_dir = Path(args.run_dir)
-    cfg, tok, policy, step, _ = _load_run_policy(run_dir, args.step)
+    cfg, tok, policy, step, _ = load_run_policy(run_dir, args.step)
     _, eval_rows, fmt = load_data(cfg)
     k = 1 if args.greedy else args.k
     sampling = SamplingParams(greedy=True) if args.greedy else SamplingParams(
@@ -159,7 +159,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from tppo_jax.models.hf import save_pretrained
 
-    _, _, policy, step, tok_file = _load_run_policy(Path(args.run_dir), args.step)
+    _, _, policy, step, tok_file = load_run_policy(Path(args.run_dir), args.step)
     out = Path(args.out)
     save_pretrained(policy, out)
     shutil.copy(tok_file, out / tok_file.name)  # Tokenizer.load(out) finds it

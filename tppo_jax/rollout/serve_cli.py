@@ -1,8 +1,8 @@
-"""``tppo serve`` / ``tppo generate`` / ``tppo bench``: the engine behind JetStream's gRPC API.
+"""``tppo serve`` / ``tppo generate``: the engine behind JetStream's gRPC API.
 
-``tppo serve`` with no arguments serves the default run's latest warm-started policy
-(``runs/warmstart-*/policy`` + ``tokenizer.model``), or, if there is none, a freshly
-initialised tiny model (random weights: gibberish output) with a tokenizer trained on a few
+``tppo serve`` with no arguments serves, in order of preference: the default run's latest
+policy checkpoint (``runs/default``), the latest warm-started policy
+(``runs/warmstart-*/policy`` + ``tokenizer.model``), or a freshly initialised tiny model (random weights: gibberish output) with a tokenizer trained on a few
 synthetic lines. ``tppo generate --port P "text"`` streams one completion from a server.
 
 Register with ``serve_cli.register(register_fn)`` (see ``tppo_jax.cli.register``); also
@@ -46,6 +46,17 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
     from tppo_jax.models.tokenizer import Tokenizer
 
     ckpt = Path(checkpoint) if checkpoint else None
+    # A run directory (ours: config.yaml + Orbax checkpoints), given or the default run's.
+    default_run = Path("runs/default")
+    run_dir = ckpt if ckpt is not None and (ckpt / "config.yaml").exists() else None
+    if ckpt is None and (default_run / "config.yaml").exists() and any(
+            p.name.isdigit() for p in (default_run / "checkpoints").glob("*")):
+        run_dir = default_run
+    if run_dir is not None:
+        from tppo_jax.commands import load_run_policy
+
+        _, tok, policy, step, tok_file = load_run_policy(run_dir, None)
+        return policy, tok, str(tok_file), f"{run_dir} (policy checkpoint of step {step})"
     if ckpt is None and cfg.model.source == "hf" and cfg.model.path:
         ckpt = Path(cfg.model.path)
     if ckpt is None and (ws := latest_warmstart()) is not None:
