@@ -38,8 +38,14 @@ def summarize_run(run_dir: Path, target: float) -> dict:
         "occupancy_mean": statistics.fmean(r["occupancy"] for r in steps) if steps else None,
         "time_split_s": {k: float(sum(r[f"time_{k}_s"] for r in steps))
                          for k in ("rollout", "grading", "update")},
-        "curve": [(train_time.get(r["step"], 0.0), r["eval_accuracy"]) for r in evals],
+        "curve": _before(run_dir) + [(train_time.get(r["step"], 0.0), r["eval_accuracy"])
+                                     for r in evals],
     }
+
+
+def _before(run_dir: Path) -> list[tuple[float, float]]:
+    path = run_dir / "eval_before.json"
+    return [(0.0, json.loads(path.read_text())["accuracy"])] if path.exists() else []
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -60,11 +66,12 @@ def run(args: argparse.Namespace) -> dict:
                          *[e.format(L=L) for e in extra], *args.overrides]
             cfg = load_config(args.config, overrides)
             run_dir = out_dir / "runs" / f"{method}-seed{seed}"
-            if run_dir.exists():
-                import shutil
+            if not args.summarize_only:  # else: re-read the run dirs of an earlier run
+                if run_dir.exists():
+                    import shutil
 
-                shutil.rmtree(run_dir)
-            train(cfg, run_dir, progress=not args.no_progress)
+                    shutil.rmtree(run_dir)
+                train(cfg, run_dir, progress=not args.no_progress)
             per[method] = summarize_run(run_dir, args.target)
         t, p = per["tppo"]["time_to_target_s"], per["ppo"]["time_to_target_s"]
         per["speedup"] = (p / t) if (t and p) else None
@@ -121,6 +128,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--out", default="results")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--summarize-only", action="store_true",
+                   help="rebuild the JSON and PNG from the run dirs of an earlier run")
     p.add_argument("overrides", nargs="*", metavar="key=value")
 
 
