@@ -61,7 +61,8 @@ def test_bad_values_name_the_key(override, needle):
 
 
 def test_batch_must_divide_mesh():
-    cfg = load_config(None, ["rollout.prompts_per_step=3", "rollout.group_size=1"])
+    cfg = load_config(None, ["rollout.prompts_per_step=3", "rollout.group_size=1",
+                             "optim.minibatches=1"])
     with pytest.raises(ConfigError, match="data-parallel size"):
         validate(cfg, num_devices=8)
     validate(load_config(None), num_devices=8)

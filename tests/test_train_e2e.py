@@ -2,15 +2,17 @@
 steps with math-verify grading, Orbax checkpoints, metrics; then `--resume` continues."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 
-def _tppo(*args, cwd):
+def _tppo(*args, cwd, env=None):
     return subprocess.run([sys.executable, "-m", "tppo_jax.cli", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, **(env or {})})
 
 
 @pytest.mark.slow
@@ -59,15 +61,17 @@ def test_smoke_train_then_resume(tmp_path):
     tok = Tokenizer.load(tmp_path / "hf")
     assert model.config.vocab_size == tok.vocab_size
 
-    # Numerical fault injection: an absurd learning rate turns the params to inf after the
-    # first update; every later update is skipped and the run stops with a clear error.
+    # Numerical fault injection: NaN advantages/returns from step 2 on. Every such update is
+    # skipped (params unchanged, so checkpoints stay finite) and the third in a row stops
+    # the run with a clear error.
     bad = tmp_path / "runs" / "nan"
     r = _tppo("train", "--config", "smoke", "--run-dir", str(bad), "--no-progress",
-              "optim.policy_lr=1e30", "optim.value_lr=1e30", "train.steps=8",
-              "checkpoint.every=1", cwd=tmp_path)
+              "train.steps=8", "checkpoint.every=1", cwd=tmp_path,
+              env={"TPPO_FAULT_NAN_FROM_STEP": "2"})
     assert r.returncode == 1, r.stderr[-2000:]
     assert "non-finite loss or gradient in 3 consecutive steps" in r.stderr
     rows = [json.loads(x) for x in (bad / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["policy_skipped"] + rows[-1]["value_skipped"] > 0
+    assert [x["step"] for x in rows] == [1, 2, 3]
+    assert rows[0]["policy_skipped"] == 0 and rows[-1]["policy_skipped"] > 0
     # The stop names the last checkpoint to go back to.
     assert "last checkpoint: step" in r.stderr

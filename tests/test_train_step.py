@@ -62,7 +62,7 @@ def test_nan_loss_skips_update():
     model = create_model(ModelConfig.tiny(vocab_size=32))
     gd, st = nnx.split(model)
     params = nnx.to_pure_dict(st)
-    optim = OptimConfig(warmup_steps=1)
+    optim = OptimConfig(warmup_steps=1, minibatches=1)
     tx = make_optimizer(1e-2, optim)
     opt = tx.init(params)
     batch, _ = _batch()

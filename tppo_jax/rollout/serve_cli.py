@@ -2,11 +2,12 @@
 
 ``tppo serve`` with no arguments serves, in order of preference: the default run's latest
 policy checkpoint (``runs/default``), the latest warm-started policy
-(``runs/warmstart-*/policy`` + ``tokenizer.model``), or a freshly initialised tiny model (random weights: gibberish output) with a tokenizer trained on a few
+(``runs/warmstart-*/policy`` + ``tokenizer.model``), or a freshly initialised tiny model
+(random weights: gibberish output) with a tokenizer trained on a few
 synthetic lines. ``tppo generate --port P "text"`` streams one completion from a server.
 
 Register with ``serve_cli.register(register_fn)`` (see ``tppo_jax.cli.register``); also
-runnable as ``python -m tppo_jax.rollout.serve_cli serve|generate|bench ...``.
+runnable as ``python -m tppo_jax.rollout.serve_cli serve|generate ...``.
 """
 
 from __future__ import annotations

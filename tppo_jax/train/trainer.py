@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -271,6 +272,10 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     # Wall-clock of training steps only (held-out evals excluded), continued on resume.
     train_time = float(metrics.last.get("train_time_s", 0.0))
     skipped_in_a_row = 0
+    # Fault injection for the reliability tests: TPPO_FAULT_NAN_FROM_STEP=N makes every
+    # update from step N on see NaN advantages and returns.
+    fault = os.environ.get("TPPO_FAULT_NAN_FROM_STEP")
+    fault_step = int(fault) if fault else None
     preempted = False
     stopper = _StopOnSignal()
     try:
@@ -295,6 +300,9 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
             arrays = batch_arrays(rb, reward, mesh, token_rewards)
             targets = rollout_targets(models.value_def, models.value, arrays, cfg=scfg)
             train_batch = {**arrays, **targets}
+            if fault_step is not None and step + 1 >= fault_step:
+                train_batch["advantages"] = train_batch["advantages"] * float("nan")
+                train_batch["returns"] = train_batch["returns"] * float("nan")
             # Dispatched back to back: neither update waits for the other's result.
             pstats: dict[str, Any] = {}
             if step >= a.critic_warmup_steps:
