@@ -83,3 +83,26 @@ def test_nan_loss_skips_update():
     leaves = zip(jax.tree.leaves(new2), jax.tree.leaves(before), strict=True)
     assert any(not np.allclose(a, b) for a, b in leaves)
     assert isinstance(tx, optax.GradientTransformation)
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    """Two identical micro-batches accumulated == one step on their concatenation."""
+    model = create_model(ModelConfig.tiny(vocab_size=32))
+    gd, st = nnx.split(model)
+    base = nnx.to_pure_dict(st)
+    batch, _ = _batch(b=2)
+    b, s = batch["tokens"].shape
+    half = {"tokens": batch["tokens"], "attn": jnp.ones((b, s), bool),
+            "sample_logprobs": jnp.full((b, s), -3.0), "advantages": jnp.ones((b, s)),
+            "policy_mask": jnp.ones((b, s)), "positive_mask": jnp.zeros((b, s))}
+    full = jax.tree.map(lambda x: jnp.concatenate([x, x]), half)
+    outs = []
+    for accum in (1, 2):
+        optim = OptimConfig(warmup_steps=1, minibatches=1, grad_accum=accum)
+        tx = make_optimizer(1e-2, optim)
+        params = jax.tree.map(jnp.array, base)
+        cfg = StepConfig(algo=AlgoConfig(), optim=optim, window=6, temperature=1.0)
+        new, _, _ = policy_update(gd, params, tx.init(params), full, tx=tx, cfg=cfg)
+        outs.append(jax.device_get(new))
+    for a, b2 in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
+        np.testing.assert_allclose(a, b2, rtol=1e-3, atol=2e-5)  # Adam amplifies fp noise

@@ -105,6 +105,7 @@ class OptimConfig:
     b2: float = 0.999
     grad_clip: float = 1.0
     minibatches: int = 2
+    grad_accum: int = 1  # micro-batches per optimizer step (gradient accumulation)
     epochs: int = 1
 
 
@@ -128,7 +129,7 @@ class RewardConfig:
     workers: int = 2
     item_timeout_s: float = 2.0
     batch_deadline_s: float = 30.0
-    overlong_buffer: int = 0  # DAPO soft overlong penalty; 0 disables
+    overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 disables
     overlong_penalty: float = 1.0
     process: Literal["none", "first_error", "per_step"] = "none"  # sympy step verifier
     process_penalty: float = -0.5  # at the end of the first (or every) invalid step
@@ -400,12 +401,22 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             f"{r.max_prompt_len + r.max_response_len} exceeds model.max_seq_len "
             f"({cfg.model.max_seq_len})"
         )
+    if o.grad_accum < 1:
+        raise ConfigError(f"optim.grad_accum must be >= 1, got {o.grad_accum}")
+    if r.slots % (o.minibatches * o.grad_accum):
+        raise ConfigError(
+            f"slots ({r.slots}) not divisible by optim.minibatches * optim.grad_accum "
+            f"({o.minibatches} * {o.grad_accum})"
+        )
     if r.slots % o.minibatches:
         raise ConfigError(
             f"slots (prompts_per_step*group_size = {r.slots}) not divisible by "
             f"optim.minibatches ({o.minibatches})"
         )
     m = cfg.mesh
+    if cfg.reward.overlong_buffer > r.max_response_len:
+        raise ConfigError(f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) exceeds "
+                          f"rollout.max_response_len ({r.max_response_len})")
     if cfg.model.source == "hf" and not cfg.model.path:
         raise ConfigError("model.path is required when model.source is 'hf'")
     if cfg.model.num_heads % cfg.model.num_kv_heads:

@@ -142,12 +142,31 @@ def _guarded_apply(tx, grads, opt_state, params, loss):
 
 
 def _run_epochs(loss_fn, tx, params, opt_state, batch, cfg: StepConfig, name: str):
-    """``cfg.optim.epochs`` passes over ``minibatches`` splits; one optimizer step each.
-    Non-finite loss/grads skip that step (counted as ``{name}_skipped``)."""
+    """``cfg.optim.epochs`` passes over ``minibatches`` splits; one optimizer step each, its
+    gradient averaged over ``grad_accum`` micro-batches (memory: one micro-batch's activations
+    at a time). Non-finite loss/grads skip that step (counted as ``{name}_skipped``)."""
+
+    accum = cfg.optim.grad_accum
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def accumulated(p, mb):
+        """Mean loss, stats and grads over ``accum`` micro-batches (one optimizer step)."""
+        if accum == 1:
+            return grad_fn(p, mb)
+        micro = _minibatches(mb, accum)
+
+        def add(acc, x):
+            out = grad_fn(p, x)
+            return jax.tree.map(lambda a, b: a + b / accum, acc, out), None
+
+        zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, p,
+                                                           jax.tree.map(lambda x: x[0], micro)))
+        total, _ = jax.lax.scan(add, zero, micro)
+        return total
 
     def one(carry, mb):
         p, o = carry
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, mb)
+        (loss, stats), grads = accumulated(p, mb)
         p, o, skipped = _guarded_apply(tx, grads, o, p, loss)
         stats = dict(stats, **{f"{name}_loss": loss, f"{name}_grad_norm": optax.tree.norm(grads),
                                f"{name}_skipped": skipped.astype(jnp.float32)})

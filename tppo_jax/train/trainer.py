@@ -30,7 +30,7 @@ from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel.mesh import batch_sharding, make_mesh
-from tppo_jax.rewards.math import MathGrader
+from tppo_jax.rewards.math import MathGrader, overlong_penalty
 from tppo_jax.rollout.generate import SamplingParams
 from tppo_jax.rollout.scheduler import RolloutBatch, TruncatedRolloutScheduler
 from tppo_jax.train.checkpoint import Checkpointer
@@ -293,6 +293,10 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 g = grader.grade([tok.decode(rb.response_tokens(i)) for i in fin],
                                  [rb.examples[i].answer for i in fin])
                 reward[fin], correct[fin], counts = g.rewards, g.correct, g.counts
+                if cfg.reward.overlong_buffer > 0:  # DAPO soft overlong punishment
+                    reward[fin] += overlong_penalty(
+                        (rb.total_len - rb.prompt_len)[fin], r.max_response_len,
+                        cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
             token_rewards, steps_valid = None, None
             if cfg.reward.process != "none" and len(fin):
                 token_rewards, steps_valid = step_process_rewards(cfg, tok, rb, fin)
