@@ -99,10 +99,10 @@ def test_gradient_accumulation_matches_one_big_batch():
     outs = []
     for accum in (1, 2):
         optim = OptimConfig(warmup_steps=1, minibatches=1, grad_accum=accum)
-        tx = make_optimizer(1e-2, optim)
+        tx = optax.sgd(1.0)  # params move by exactly the (averaged) gradient
         params = jax.tree.map(jnp.array, base)
         cfg = StepConfig(algo=AlgoConfig(), optim=optim, window=6, temperature=1.0)
         new, _, _ = policy_update(gd, params, tx.init(params), full, tx=tx, cfg=cfg)
         outs.append(jax.device_get(new))
     for a, b2 in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
-        np.testing.assert_allclose(a, b2, rtol=1e-3, atol=2e-5)  # Adam amplifies fp noise
+        np.testing.assert_allclose(a, b2, rtol=1e-4, atol=1e-6)
