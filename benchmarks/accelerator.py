@@ -41,14 +41,12 @@ def run(args: argparse.Namespace) -> dict:
     from tppo_jax.benchmarks.intensity import ARCHS
 
     from tppo_jax.config import AlgoConfig, OptimConfig
-    from tppo_jax.models.transformer import ModelConfig, create_model
+    from tppo_jax.models.transformer import create_model
     from tppo_jax.rollout.generate import SamplingParams, prefill_and_decode
     from tppo_jax.train.step import StepConfig, make_optimizer, policy_update
 
-    v, h, i, n, hq, hkv, d, bias, tied = ARCHS[args.arch]
-    cfg = ModelConfig(vocab_size=v, hidden_size=h, intermediate_size=i, num_layers=n,
-                      num_heads=hq, num_kv_heads=hkv, head_dim=d, qkv_bias=bias,
-                      tie_embeddings=tied, dtype=args.dtype, remat=True)
+    cfg = ARCHS[args.arch].model_config(args.dtype, remat=True)
+    v, n, hkv, d = cfg.vocab_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     model = create_model(cfg, seed=0)
     params = nnx.to_pure_dict(nnx.state(model))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

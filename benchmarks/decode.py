@@ -127,21 +127,14 @@ def bench_nocache(model, prompts: np.ndarray, new: int, repeats: int) -> float:
 
 def simulate_occupancy(lengths: np.ndarray, slots: int, window: int, max_len: int
                        ) -> dict[str, float]:
-    """Slot occupancy of window-``window`` rollout over ``lengths`` (response tokens each)."""
-    queue = list(np.minimum(lengths, max_len))
-    left = np.zeros(slots, np.int64)  # tokens the slot's sequence still has to generate
-    steps = useful = 0
-    while queue or left.any():
-        for s in np.flatnonzero(left == 0):
-            if queue:
-                left[s] = queue.pop()
-        run = np.minimum(left, window)
-        n = int(run.max())  # the window ends when every slot is done or `window` steps pass
-        steps += n
-        useful += int(run.sum())
-        left -= run
-    return {"window": window, "decode_steps": steps, "useful_tokens": useful,
-            "occupancy": useful / (slots * steps)}
+    """Slot occupancy of window-``window`` rollout over ``lengths`` (response tokens each):
+    the scheduler's arithmetic, ``intensity.schedule_occupancy`` (fed last-first, the order
+    this benchmark has always drawn its queue in)."""
+    from tppo_jax.benchmarks.intensity import schedule_occupancy
+
+    occ = schedule_occupancy(np.asarray(lengths)[::-1], slots, window, max_len)
+    return {"window": window, "decode_steps": occ["slot_steps"] // slots,
+            "useful_tokens": occ["useful_tokens"], "occupancy": occ["occupancy"]}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-ARCHS = {
-    # name: (vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, qkv_bias, tied)
-    "tiny": (128, 128, 384, 4, 4, 2, 32, False, True),
-    "qwen2-0.5b": (151936, 896, 4864, 24, 14, 2, 64, True, True),
+from tppo_jax.plan import ARCHITECTURES, Arch
+
+ARCHS = {  # sizes from tppo_jax.plan's table (HF config.json), plus the CPU default's
+    "tiny": Arch("tiny", 128, 128, 384, 4, 4, 2, 32, False, True),
+    "qwen2-0.5b": ARCHITECTURES["qwen2.5-0.5b"],
 }
 
 
@@ -53,12 +54,10 @@ def decode_step_cost(arch: str, slots: int, seq: int) -> dict:
     from flax import nnx
 
     from tppo_jax.models.cache import DenseKVCache
-    from tppo_jax.models.transformer import ModelConfig, Transformer
+    from tppo_jax.models.transformer import Transformer
 
-    v, h, i, n, hq, hkv, d, bias, tied = ARCHS[arch]
-    cfg = ModelConfig(vocab_size=v, hidden_size=h, intermediate_size=i, num_layers=n,
-                      num_heads=hq, num_kv_heads=hkv, head_dim=d, qkv_bias=bias,
-                      tie_embeddings=tied, dtype="bfloat16")
+    cfg = ARCHS[arch].model_config("bfloat16")
+    n, hkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     cache = jax.eval_shape(lambda: DenseKVCache.init(n, slots, seq, hkv, d, jnp.bfloat16))

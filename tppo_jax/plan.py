@@ -56,6 +56,16 @@ class Arch:
     qkv_bias: bool
     tie_embeddings: bool
 
+    def model_config(self, dtype: str = "bfloat16", **overrides: Any):
+        """The ``ModelConfig`` of this architecture (random-weight benchmarks build it)."""
+        from tppo_jax.models.transformer import ModelConfig
+
+        return ModelConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+                           num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                           head_dim=self.head_dim, qkv_bias=self.qkv_bias,
+                           tie_embeddings=self.tie_embeddings, dtype=dtype, **overrides)
+
     def policy_tensors(self) -> Iterator[tuple[tuple[int, ...], tuple[str | None, ...], bool]]:
         """(shape, logical axes, always-fp32) of every policy param (transformer.py layout)."""
         h, i, hq, hkv, d = (self.hidden_size, self.intermediate_size, self.num_heads,

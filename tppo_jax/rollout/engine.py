@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
+import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import; quiets its logging)
 
 # isort: split
 from jetstream.engine import engine_api, tokenizer_pb2
@@ -44,20 +44,6 @@ from tppo_jax.rollout.sampling import sample
 
 log = logging.getLogger(__name__)
 
-
-def quiet_jetstream_logging() -> None:
-    """JetStream's orchestrator sets the root logger to DEBUG with a stdout handler at import
-    (every decode step logs); undo that so library users and tests see normal logging."""
-    from jetstream.core import orchestrator
-
-    root = logging.getLogger()
-    if orchestrator.handler in root.handlers:
-        root.removeHandler(orchestrator.handler)
-        if root.level == logging.DEBUG:
-            root.setLevel(logging.WARNING)
-
-
-quiet_jetstream_logging()
 Array = jax.Array
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 

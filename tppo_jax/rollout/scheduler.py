@@ -249,16 +249,6 @@ class TruncatedRolloutScheduler:
                     for r in np.flatnonzero(st.live)]
             free_pages = int(pg.num_free_pages(self.cache.pages)) - sum(max(g, 0) for g in grow)
         for r in np.flatnonzero(~st.live):
-            if free_pages is not None:
-                nxt = self.pending[0] if self.pending else None
-                ex = self.examples[nxt] if nxt is not None else None
-                plen = len(self.encode_prompt(ex)[-self.P:]) if ex is not None else self.P
-                need = self._pages_for(plen - 1 + self.window)
-                if need > free_pages:
-                    self.stats["admissions_deferred"] = self.stats.get(
-                        "admissions_deferred", 0.0) + 1
-                    break  # pool short: admit fewer prompts this step
-                free_pages -= need
             if not self.pending:
                 ex = next(self.prompts)
                 gid = self._next_group
@@ -267,6 +257,14 @@ class TruncatedRolloutScheduler:
                 self.pending.extend([gid] * self.G)
             gid = self.pending.popleft()
             ids = self.encode_prompt(self.examples[gid])[-self.P:]
+            if free_pages is not None:
+                need = self._pages_for(len(ids) - 1 + self.window)
+                if need > free_pages:  # pool short: admit fewer prompts; this one waits
+                    self.pending.appendleft(gid)
+                    self.stats["admissions_deferred"] = self.stats.get(
+                        "admissions_deferred", 0.0) + 1
+                    break
+                free_pages -= need
             st.tokens[r] = 0
             st.tokens[r, :len(ids)] = ids
             st.prompt_len[r] = st.total_len[r] = len(ids)

@@ -29,9 +29,9 @@ from jetstream.core import orchestrator
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 from jetstream.engine import token_utils, tokenizer_api
 
-from tppo_jax.compat.jetstream import LOOPBACK_HOST
+from tppo_jax.compat.jetstream import LOOPBACK_HOST, quiet_logging
 from tppo_jax.models.tokenizer import Tokenizer
-from tppo_jax.rollout.engine import EngineParams, TPPOEngine, quiet_jetstream_logging
+from tppo_jax.rollout.engine import EngineParams, TPPOEngine
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class EngineServer:
         self.driver = orchestrator.Driver(
             prefill_engines=[engine], generate_engines=[engine], prefill_params=[params],
             generate_params=[params], interleaved_mode=True)
-        quiet_jetstream_logging()
+        quiet_logging()
         self._executor = futures.ThreadPoolExecutor(max_workers=threads)
         self._loop = asyncio.new_event_loop()
         self._loop.set_default_executor(self._executor)

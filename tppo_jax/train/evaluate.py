@@ -13,6 +13,7 @@ from tppo_jax.data.readers import MathExample
 from tppo_jax.eval.metrics import avg_at_k, pass_at_k_batch
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.rewards.math import MathGrader
+from tppo_jax.rewards.steps import verify_solution
 from tppo_jax.rollout.generate import SamplingParams, prefill_and_decode
 
 
@@ -60,8 +61,6 @@ def evaluate(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathExample],
     graded = grader.grade(texts, answers)
     correct = graded.correct.reshape(len(examples), k)
     lengths = np.array([len(r) for r in responses])
-    from tppo_jax.rewards.steps import verify_solution
-
     steps_ok = np.array([verify_solution(t).all_valid for t in texts])
     return {
         f"avg@{k}": avg_at_k(correct),
