@@ -151,9 +151,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    every: int = 1
     tensorboard: bool = True
-    progress: bool = True
+    progress: bool = True  # progress bars (also off with `tppo train --no-progress`)
 
 
 @dataclass(frozen=True)

@@ -198,6 +198,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     r, a = cfg.rollout, cfg.algo
 
+    progress = progress and cfg.logging.progress
     validate(cfg, num_devices=jax.device_count())
     m = cfg.mesh
     mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
