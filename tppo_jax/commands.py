@@ -18,6 +18,28 @@ def _train_args(p: argparse.ArgumentParser) -> None:
                    help="output directory (default: runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    d = p.add_argument_group(
+        "multi-host", "start jax.distributed (also from TPPO_COORDINATOR, TPPO_NUM_PROCESSES, "
+        "TPPO_PROCESS_ID, or TPPO_DISTRIBUTED=auto); every process runs the same command")
+    d.add_argument("--distributed", choices=["auto"], default=None,
+                   help="auto: the cluster describes itself (Cloud TPU pods, SLURM)")
+    d.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0")
+    d.add_argument("--num-processes", type=int, default=None)
+    d.add_argument("--process-id", type=int, default=None)
+
+
+def start_distributed(args: argparse.Namespace) -> None:
+    """``jax.distributed.initialize`` from the multi-host flags/environment (before any
+    device is touched); a bad setting is a one-line error."""
+    from tppo_jax.config import ConfigError
+    from tppo_jax.parallel.multihost import initialize
+
+    try:
+        initialize(args.coordinator, args.num_processes, args.process_id,
+                   auto=args.distributed == "auto")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -25,6 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from tppo_jax.train.trainer import train
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    start_distributed(args)
     cfg = load_config(args.config, args.overrides)
     name = Path(args.config).stem if args.config else "default"
     run_dir = Path(args.run_dir or Path("runs") / name)

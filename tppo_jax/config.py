@@ -147,6 +147,9 @@ class MeshConfig:
 class CheckpointConfig:
     every: int = 10
     keep: int = 3
+    # "" = <run dir>/checkpoints. May be a bucket (gs://...): on a multi-host pod every
+    # host writes its shards there, so it must be one place all hosts reach.
+    dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -346,7 +349,7 @@ def from_dict(data: dict[str, Any]) -> Config:
     return cfg
 
 
-def validate(cfg: Config, num_devices: int | None = None) -> None:
+def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1) -> None:
     """Cross-field checks; raises ``ConfigError`` naming the conflicting values."""
     r, a, o = cfg.rollout, cfg.algo, cfg.optim
     positive = {
@@ -423,6 +426,13 @@ def validate(cfg: Config, num_devices: int | None = None) -> None:
             f"model.num_heads ({cfg.model.num_heads}) must be a multiple of "
             f"model.num_kv_heads ({cfg.model.num_kv_heads})"
         )
+    if num_processes > 1:
+        if r.kv_cache != "dense":
+            raise ConfigError(f"rollout.kv_cache={r.kv_cache!r} is single-host; with "
+                              f"{num_processes} processes use rollout.kv_cache=dense")
+        if r.slots % num_processes:
+            raise ConfigError(f"slots ({r.slots}) not divisible by the number of processes "
+                              f"({num_processes}): every host runs the same number of slots")
     if num_devices is not None:
         sizes = [m.data, m.fsdp, m.tensor]
         fixed = 1

@@ -130,6 +130,19 @@ class DenseKVCache:
             lengths=jnp.zeros((batch,), jnp.int32),
         )
 
+    @classmethod
+    def init_on_mesh(cls, mesh: Mesh, num_layers: int, batch: int, max_len: int,
+                     num_kv_heads: int, head_dim: int,
+                     dtype: jnp.dtype = jnp.float32) -> DenseKVCache:
+        """``init`` with every device allocating only its own shard (jit ``out_shardings``):
+        the whole cache never sits on one device, and each host builds only its part."""
+        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+        kv = named_sharding(mesh, cls.LOGICAL_AXES, shape)
+        lengths = named_sharding(mesh, ("batch",), (batch,))
+        make = jax.jit(lambda: cls.init(num_layers, batch, max_len, num_kv_heads, head_dim,
+                                        dtype), out_shardings=cls(kv, kv, lengths))
+        return make()
+
     @property
     def max_len(self) -> int:
         return self.k.shape[2]

@@ -230,7 +230,7 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: str = "float32",
                 raise ValueError(f"{tm.hf_name}: shape {sl.get_shape()} != expected {tm.hf_shape}")
             shape = tuple(var.shape)
             if mesh is None:
-                sharding = SingleDeviceSharding(jax.devices()[0])
+                sharding = SingleDeviceSharding(jax.local_devices()[0])  # this host's
             else:
                 sharding = named_sharding(mesh, var.get_metadata()["out_sharding"], shape)
             arr = jax.make_array_from_callback(

@@ -299,11 +299,14 @@ class Transformer(nnx.Module):
         """``tokens [B, T]`` -> float32 logits ``[B, T, V]`` (causal, right padding)."""
         return self.logits_from_hidden(self.hidden_states(tokens, positions, attention_mask))
 
-    def init_cache(self, batch: int, max_len: int) -> DenseKVCache:
-        """An empty ``DenseKVCache`` (``[L, batch, max_len, Hkv, D]``) for this model."""
+    def init_cache(self, batch: int, max_len: int, mesh: Mesh | None = None) -> DenseKVCache:
+        """An empty ``DenseKVCache`` (``[L, batch, max_len, Hkv, D]``) for this model; with a
+        mesh, created directly in its sharded layout."""
         c = self.config
-        return DenseKVCache.init(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim,
-                                 c.jnp_dtype)
+        args = (c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, c.jnp_dtype)
+        if mesh is not None:
+            return DenseKVCache.init_on_mesh(mesh, *args)
+        return DenseKVCache.init(*args)
 
     def forward_with_cache(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *,
                            valid: jax.Array) -> tuple[jax.Array, KVCache]:

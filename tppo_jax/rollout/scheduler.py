@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx, serialization
 
 from tppo_jax.data.readers import MathExample
+from tppo_jax.parallel.multihost import check_batch_layout, host_to_global, tree_to_host
 from tppo_jax.rollout.generate import SamplingParams, prefill, prefill_and_decode
 
 
@@ -109,7 +110,9 @@ class TruncatedRolloutScheduler:
       model: the policy (NNX ``Transformer``); replaced by ``set_policy`` after updates.
       prompts: an iterator of ``MathExample``s (the data pipeline).
       encode_prompt: ``MathExample -> list[int]`` prompt token ids.
-      slots: B; group_size: G samples per prompt.
+      slots: B, over all hosts; with several processes each host owns ``B / P`` of them
+        (its own prompts, host state and grading) and device arrays are global.
+      group_size: G samples per prompt.
       kv_policy: ``keep`` reuses the cache computed under older weights; ``reprefill``
         recomputes every continuing row's cache under the current weights (exact).
       mesh: lay the KV cache out on this mesh (slots split over data/fsdp).
@@ -129,7 +132,13 @@ class TruncatedRolloutScheduler:
         self.model = model
         self.prompts = prompts
         self.encode_prompt = encode_prompt
-        self.B, self.G = slots, group_size
+        self.G = group_size
+        self.B_global = slots
+        self.B = slots // jax.process_count()  # slots this host manages
+        if jax.process_count() > 1:
+            if mesh is None or kv_cache != "dense":
+                raise ValueError("several processes need a mesh and the dense KV cache")
+            check_batch_layout(mesh, slots)
         self.P, self.L = max_prompt_len, max_response_len
         self.window = min(window, max_response_len)
         self.K = -(-max_response_len // self.window)
@@ -165,8 +174,11 @@ class TruncatedRolloutScheduler:
                               c.head_dim, c.jnp_dtype)
             state = pg.init(self.num_pages, self.B, self.max_pages, self.page_size)
             return PagedKVCache(state, k, v, jnp.arange(self.B, dtype=jnp.int32))
-        cache = self.model.init_cache(self.B, self.S)
-        return cache.shard(self.mesh) if self.mesh is not None else cache
+        return self.model.init_cache(self.B_global, self.S, mesh=self.mesh)
+
+    def _put(self, x: np.ndarray) -> jax.Array:
+        """Host rows -> a device array (global and batch-sharded when there is a mesh)."""
+        return host_to_global(x, self.mesh) if self.mesh is not None else jnp.asarray(x)
 
     def _pages_for(self, tokens: int) -> int:
         return -(-max(tokens, 0) // self.page_size)
@@ -273,7 +285,8 @@ class TruncatedRolloutScheduler:
             st.sample_logprobs[r] = 0.0
             st.policy_version[r] = -1
             st.group_id[r] = gid
-            st.seq_id[r] = self._next_seq
+            # Globally unique over hosts: it seeds the row's sampling stream.
+            st.seq_id[r] = self._next_seq * jax.process_count() + jax.process_index()
             self._next_seq += 1
             new_rows[r] = True
         return new_rows
@@ -307,13 +320,13 @@ class TruncatedRolloutScheduler:
             self._reserve_pages(budget, new_rows)
         active = st.live & ~self._stalled
         budget = np.where(active, budget, 0).astype(np.int32)
+        put = self._put
         out, self.cache = prefill_and_decode(
-            self.model, self.cache, jnp.asarray(st.tokens), jnp.asarray(st.total_len),
-            jnp.asarray(prefill_rows & active), jnp.asarray(active), jnp.asarray(budget),
-            self.rng,
-            jnp.asarray(st.seq_id.astype(np.uint32)), jnp.int32(self.step_count),
+            self.model, self.cache, put(st.tokens), put(st.total_len),
+            put(prefill_rows & active), put(active), put(budget), self.rng,
+            put(st.seq_id.astype(np.uint32)), jnp.int32(self.step_count),
             window=self.window, eos_id=self.eos_id, params=self.sampling)
-        toks, lps, count, hit_eos, steps = jax.device_get(tuple(out))
+        toks, lps, count, hit_eos, steps = tree_to_host(tuple(out))
         window_start = st.total_len.copy()
         for r in range(self.B):
             n = int(count[r])

@@ -1,4 +1,7 @@
-"""Held-out evaluation: decode answers for a list of examples and grade them (avg@k, pass@k)."""
+"""Held-out evaluation: decode answers for a list of examples and grade them (avg@k, pass@k).
+
+With several processes each host decodes and grades its share of the examples; the
+per-example results are gathered, so every host returns the same metrics."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from flax import nnx
 from tppo_jax.data.readers import MathExample
 from tppo_jax.eval.metrics import avg_at_k, pass_at_k_batch
 from tppo_jax.models.tokenizer import Tokenizer
+from tppo_jax.parallel import multihost as mh
 from tppo_jax.rewards.math import MathGrader
 from tppo_jax.rewards.steps import verify_solution
 from tppo_jax.rollout.generate import SamplingParams, prefill_and_decode
@@ -19,27 +23,38 @@ from tppo_jax.rollout.generate import SamplingParams, prefill_and_decode
 
 def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[int]], *,
                      max_prompt_len: int, max_response_len: int, sampling: SamplingParams,
-                     batch_size: int = 64, seed: int = 0) -> list[list[int]]:
-    """Decodes one response per prompt (one window of ``max_response_len``), batched."""
+                     batch_size: int = 64, seed: int = 0, mesh=None) -> list[list[int]]:
+    """Decodes one response per prompt (one window of ``max_response_len``), batched.
+
+    With a mesh the batches are sharded over it; with several processes ``prompts`` are this
+    host's and ``batch_size`` is the global batch (every host runs the same batch count).
+    """
     s = max_prompt_len + max_response_len
+    hosts, me = jax.process_count(), jax.process_index()
+    local_bs = mh.local_count(batch_size)
+    n_batches = -(-int(mh.max_over_hosts({"n": len(prompts)})["n"]) // local_bs)
+    put = (lambda x: mh.host_to_global(x, mesh)) if mesh is not None else jnp.asarray
     out: list[list[int]] = []
-    for lo in range(0, len(prompts), batch_size):
-        chunk = list(prompts[lo:lo + batch_size])
-        n = len(chunk)
-        chunk += [chunk[-1]] * (batch_size - n)  # fixed batch shape: no recompiles
-        tokens = np.zeros((batch_size, s), np.int32)
-        lens = np.zeros(batch_size, np.int32)
+    for b in range(n_batches):
+        lo = b * local_bs
+        chunk = list(prompts[lo:lo + local_bs]) or [prompts[-1] if prompts else [0]]
+        n = min(len(prompts) - lo, local_bs) if lo < len(prompts) else 0
+        chunk += [chunk[-1]] * (local_bs - len(chunk))  # fixed batch shape: no recompiles
+        tokens = np.zeros((local_bs, s), np.int32)
+        lens = np.zeros(local_bs, np.int32)
         for i, ids in enumerate(chunk):
             ids = ids[-max_prompt_len:]
             tokens[i, :len(ids)] = ids
             lens[i] = len(ids)
-        cache = model.init_cache(batch_size, s)
+        # Row ids seed the sampling streams: globally unique across batches and hosts.
+        row_ids = b * local_bs * hosts + me * local_bs + np.arange(local_bs)
         res, _ = prefill_and_decode(
-            model, cache, jnp.asarray(tokens), jnp.asarray(lens), jnp.ones(batch_size, bool),
-            jnp.ones(batch_size, bool), jnp.full(batch_size, max_response_len, jnp.int32),
-            jax.random.key(seed), jnp.arange(lo, lo + batch_size, dtype=jnp.uint32), jnp.int32(0),
+            model, model.init_cache(batch_size, s, mesh=mesh), put(tokens), put(lens),
+            put(np.ones(local_bs, bool)), put(np.ones(local_bs, bool)),
+            put(np.full(local_bs, max_response_len, np.int32)), jax.random.key(seed),
+            put(row_ids.astype(np.uint32)), jnp.int32(0),
             window=max_response_len, eos_id=tok.eos_id, params=sampling)
-        toks, count = jax.device_get((res.tokens, res.count))
+        toks, count = mh.tree_to_host((res.tokens, res.count))
         out.extend(toks[i, :count[i]].tolist() for i in range(n))
     return out
 
@@ -47,28 +62,35 @@ def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[i
 def evaluate(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathExample],
              encode_prompt: Callable[[MathExample], list[int]], grader: MathGrader, *,
              max_prompt_len: int, max_response_len: int, k: int = 1,
-             sampling: SamplingParams | None = None, seed: int = 0) -> dict[str, float]:
+             sampling: SamplingParams | None = None, seed: int = 0,
+             mesh=None) -> dict[str, float]:
     """Accuracy of ``k`` samples per example: ``avg@k`` (percent) and ``pass@k``.
 
-    Greedy decoding when ``sampling`` is None (then ``k`` must be 1).
+    Greedy decoding when ``sampling`` is None (then ``k`` must be 1). Every host passes
+    the full ``examples``; each decodes and grades its share (see the module docstring).
     """
     sampling = sampling or SamplingParams(greedy=True)
+    examples = mh.split_for_host(examples)
     prompts = [encode_prompt(e) for e in examples for _ in range(k)]
     responses = generate_answers(model, tok, prompts, max_prompt_len=max_prompt_len,
-                                 max_response_len=max_response_len, sampling=sampling, seed=seed)
+                                 max_response_len=max_response_len, sampling=sampling, seed=seed,
+                                 mesh=mesh)
     texts = [tok.decode(r) for r in responses]
     answers = [e.answer for e in examples for _ in range(k)]
     graded = grader.grade(texts, answers)
-    correct = graded.correct.reshape(len(examples), k)
-    lengths = np.array([len(r) for r in responses])
-    steps_ok = np.array([verify_solution(t).all_valid for t in texts])
+    # Per-response results of every host, so all hosts compute the same metrics.
+    correct = mh.gather_rows(graded.correct.reshape(len(examples), k))
+    lengths = mh.gather_rows(np.array([len(r) for r in responses], np.int64))
+    steps_ok = mh.gather_rows(np.array([verify_solution(t).all_valid for t in texts], bool))
+    boxed = mh.gather_rows(np.array([r != "no_answer" for r in graded.reasons], bool))
+    n_examples = correct.shape[0]
     return {
         f"avg@{k}": avg_at_k(correct),
-        f"pass@{k}": float(np.mean(pass_at_k_batch(np.full(len(examples), k),
+        f"pass@{k}": float(np.mean(pass_at_k_batch(np.full(n_examples, k),
                                                    correct.sum(axis=1), k)) * 100.0),
         "response_len_mean": float(lengths.mean()),
-        "boxed_frac": float(np.mean([r != "no_answer" for r in graded.reasons])),
+        "boxed_frac": float(boxed.mean()),
         # Step-level checking (sympy verifier): all steps valid; right answer but a bad step.
         "steps_all_valid_frac": float(steps_ok.mean()),
-        "right_answer_wrong_steps_frac": float((graded.correct & ~steps_ok).mean()),
+        "right_answer_wrong_steps_frac": float((correct.reshape(-1) & ~steps_ok).mean()),
     }

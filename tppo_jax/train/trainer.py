@@ -4,6 +4,12 @@
 grader, checkpoints), evaluate, then per step: rollout window -> grade finished rows ->
 critic targets + EGAE -> independent policy and value updates -> free finished slots ->
 log -> checkpoint; evaluate again at the end.
+
+Multi-host (``jax.distributed``): every process runs this same loop. Each host reads its
+own shard of the prompts, keeps its own ``slots / P`` rollout slots and grades its own rows;
+batches go to the updates as global arrays (``parallel.multihost``), metrics are summed over
+hosts, and only process 0 writes logs and summaries. Stop decisions (preemption, time
+budget) are agreed by all hosts so no process leaves the loop alone.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from tppo_jax.data.readers import MathExample, read_examples
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import shard_model
 from tppo_jax.models.value import ValueModel
-from tppo_jax.parallel.mesh import batch_sharding, make_mesh
+from tppo_jax.parallel import multihost as mh
+from tppo_jax.parallel.mesh import make_mesh
 from tppo_jax.rewards.math import MathGrader, overlong_penalty
 from tppo_jax.rollout.generate import SamplingParams
 from tppo_jax.rollout.scheduler import RolloutBatch, TruncatedRolloutScheduler
@@ -86,7 +93,12 @@ class Models:
 def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models:
     """Tiny default: warm-started (cached in the run dir's parent). HF: loaded from disk."""
     if cfg.model.source == "tiny":
-        tok, policy, cache = warmstart(cfg, run_dir.parent, progress=progress)
+        # Process 0 trains (or finds) the cached warm-start; then every host loads it into
+        # its shards (a host that does not share the disk trains the same seeded model).
+        if mh.is_primary():
+            warmstart(cfg, run_dir.parent, progress=progress)
+        mh.barrier("warmstart")
+        tok, policy, cache = warmstart(cfg, run_dir.parent, progress=False, mesh=mesh)
         tok_file = cache / "tokenizer.model"
     else:
         from tppo_jax.models.hf import from_pretrained
@@ -97,12 +109,12 @@ def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models
         if tok_file is None:
             raise ConfigError(f"model.path {path}: no tokenizer.json or tokenizer.model found")
         tok = Tokenizer.load(tok_file)
-        policy = from_pretrained(path, dtype=cfg.model.dtype)
+        policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh)  # straight to shards
     if cfg.model.value_init == "path":
         from tppo_jax.models.hf import from_pretrained
 
         critic = ValueModel.from_policy(from_pretrained(cfg.model.value_path or "",
-                                                        dtype=cfg.model.dtype))
+                                                        dtype=cfg.model.dtype, mesh=mesh))
     elif cfg.model.value_init == "random":
         critic = ValueModel(policy.config, rngs=nnx.Rngs(cfg.train.seed + 1))
     else:
@@ -133,12 +145,15 @@ def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample], Any]:
 
 def batch_arrays(rb: RolloutBatch, reward: np.ndarray, mesh,
                  token_rewards: np.ndarray | None = None) -> dict[str, jax.Array]:
-    """The rollout as device arrays, split over the mesh's batch axes.
+    """The rollout as device arrays, split over the mesh's batch axes (global arrays of
+    every host's rows when there are several processes).
 
-    Columns are cut to the longest row rounded up to a multiple of 32: the updates then
-    cost what the batch needs, not the full buffer, and only a handful of widths compile.
+    Columns are cut to the longest row (over all hosts) rounded up to a multiple of 32: the
+    updates then cost what the batch needs, not the full buffer, and only a handful of
+    widths compile.
     """
-    width = min(rb.tokens.shape[1], -(-int(rb.total_len.max()) // 32) * 32)
+    longest = mh.max_over_hosts({"len": int(rb.total_len.max())})["len"]
+    width = min(rb.tokens.shape[1], -(-int(longest) // 32) * 32)
     attn = np.arange(width)[None] < rb.total_len[:, None]
     arrays = {"tokens": rb.tokens[:, :width], "attn": attn, "prompt_len": rb.prompt_len,
               "window_start": rb.window_start, "window_len": rb.window_len,
@@ -146,8 +161,7 @@ def batch_arrays(rb: RolloutBatch, reward: np.ndarray, mesh,
               "sample_logprobs": rb.sample_logprobs[:, :width]}
     if token_rewards is not None:
         arrays["token_rewards"] = token_rewards[:, :width]
-    return {k: jax.device_put(v, batch_sharding(mesh, np.ndim(v), np.shape(v)))
-            for k, v in arrays.items()}
+    return {k: mh.host_to_global(v, mesh) for k, v in arrays.items()}
 
 
 def step_process_rewards(cfg: Config, tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray
@@ -190,16 +204,20 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
           progress: bool = True) -> dict[str, Any]:
     """Runs T-PPO; returns a summary (before/after held-out accuracy, steps, time)."""
     run_dir = Path(run_dir).absolute()
-    ckpt_dir = run_dir / "checkpoints"
-    if ckpt_dir.exists() and any(ckpt_dir.iterdir()) and not resume:
-        raise ConfigError(f"run dir {run_dir} already has checkpoints: pass --resume to "
-                          f"continue it, or choose a new --run-dir")
+    validate(cfg, num_devices=jax.device_count(), num_processes=jax.process_count())
+    ckpt_dir = cfg.checkpoint.dir or run_dir / "checkpoints"
+    ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+    if ckpt.latest_step() is not None and not resume:
+        ckpt.close()
+        raise ConfigError(f"{ckpt.directory} already has checkpoints: pass --resume to "
+                          f"continue the run, or choose a new --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    primary = mh.is_primary()  # process 0 writes the run dir's files
+    if primary:
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
     r, a = cfg.rollout, cfg.algo
 
     progress = progress and cfg.logging.progress
-    validate(cfg, num_devices=jax.device_count())
     m = cfg.mesh
     mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
     models = load_models(cfg, run_dir, progress, mesh)
@@ -232,19 +250,23 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
         max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len, window=r.window,
         eos_id=tok.eos_id, sampling=sampling, kv_policy=r.kv_policy, seed=cfg.train.seed,
         mesh=mesh, kv_cache=r.kv_cache, page_size=r.page_size, num_pages=r.num_pages)
-    ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
-    start = 0
+
+    def ckpt_trees() -> dict[str, Any]:
+        # Slots are host state: saved as one global array of every host's rows.
+        slots = {k: mh.host_to_global(v, mesh) for k, v in sched.state.to_dict().items()}
+        return {"policy": models.policy, "value": models.value, "policy_opt": opt_p,
+                "value_opt": opt_v, "slots": slots, "kv_cache": sched.cache_state()}
+
+    start, meta = 0, None
     if resume and ckpt.latest_step() is not None:
         step0 = ckpt.latest_step()
-        trees, meta = ckpt.restore(step0, {"policy": models.policy, "value": models.value,
-                                           "policy_opt": opt_p, "value_opt": opt_v,
-                                           "slots": sched.state.to_dict(),
-                                           "kv_cache": sched.cache_state()})
+        trees, meta = ckpt.restore(step0, ckpt_trees())
         models.policy, models.value = trees["policy"], trees["value"]
         opt_p, opt_v = _on_mesh(trees["policy_opt"], mesh), _on_mesh(trees["value_opt"], mesh)
-        pipeline.load_state_json(meta["data_state"])
-        sched.set_policy(policy_model(), meta["scheduler"]["policy_version"])
-        sched.load_state_dict({**meta["scheduler"], "slots": trees["slots"]})
+        host = _host_meta(meta)
+        pipeline.load_state_json(host["data_state"])
+        sched.set_policy(policy_model(), host["scheduler"]["policy_version"])
+        sched.load_state_dict({**host["scheduler"], "slots": trees["slots"]})
         sched.restore_cache(trees["kv_cache"])
         start = int(meta["step"])
         log.info("resumed from step %d", start)
@@ -259,15 +281,21 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
         kw = dict(max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len)
         k = cfg.train.eval_samples
         sampled = evaluate(policy_model(), tok, eval_rows, encode, grader, k=k,
-                           sampling=sampling, seed=cfg.train.seed, **kw)
-        greedy = evaluate(policy_model(), tok, eval_rows, encode, grader, **kw)
+                           sampling=sampling, seed=cfg.train.seed, mesh=mesh, **kw)
+        greedy = evaluate(policy_model(), tok, eval_rows, encode, grader, mesh=mesh, **kw)
         return {"accuracy": sampled[f"avg@{k}"], "greedy_accuracy": greedy["avg@1"],
                 **sampled, **{f"greedy_{n}": v for n, v in greedy.items()}}
 
-    before = ev() if start == 0 else json.loads((run_dir / "eval_before.json").read_text())
-    (run_dir / "eval_before.json").write_text(json.dumps(before))
+    if meta is not None and "eval_before" in meta:
+        before = meta["eval_before"]
+    elif start:
+        before = json.loads((run_dir / "eval_before.json").read_text())
+    else:
+        before = ev()
+    if primary:
+        (run_dir / "eval_before.json").write_text(json.dumps(before))
     t_start = time.time()
-    bar = tqdm(range(start, cfg.train.steps), desc="T-PPO", disable=not progress,
+    bar = tqdm(range(start, cfg.train.steps), desc="T-PPO", disable=not (progress and primary),
                dynamic_ncols=True, initial=start, total=cfg.train.steps)
     last_step = start
     # Wall-clock of training steps only (held-out evals excluded), continued on resume.
@@ -287,8 +315,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
             idle = int((~sched.state.live).sum())  # paged pool short: slots left empty
             t_roll = time.time() - t0
             fin = np.flatnonzero(rb.finished)
-            reward = np.zeros(r.slots, np.float32)
-            correct = np.zeros(r.slots, bool)
+            reward = np.zeros(sched.B, np.float32)  # this host's rows
+            correct = np.zeros(sched.B, bool)
             counts: dict[str, int] = {}
             if len(fin):
                 g = grader.grade([tok.decode(rb.response_tokens(i)) for i in fin],
@@ -315,7 +343,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                     models.policy_def, models.policy, opt_p, train_batch, tx=tx_p, cfg=scfg)
             models.value, opt_v, vstats = value_update(
                 models.value_def, models.value, opt_v, train_batch, tx=tx_v, cfg=scfg)
-            pstats, vstats = jax.device_get((pstats, vstats))
+            pstats, vstats = mh.tree_to_host((pstats, vstats))  # replicated scalars
             skipped = float(pstats.get("policy_skipped", 0.0)) + float(vstats["value_skipped"])
             skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
             if skipped_in_a_row >= cfg.train.max_skipped_updates:
@@ -326,45 +354,59 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
             t_update = time.time() - t0 - t_roll - t_grade
             sched.set_policy(policy_model(), step + 1)
             sched.release_finished(rb.finished)
+            # Host-local counts summed over hosts, then turned into means.
             resp_len = rb.total_len - rb.prompt_len
+            tot = mh.sum_over_hosts({
+                "fin": len(fin), "reward": reward[fin].sum(), "correct": correct[fin].sum(),
+                "resp_len": resp_len[fin].sum(), "rows": sched.B, "tokens": rb.window_len.sum(),
+                "idle": idle, "steps_valid": (steps_valid or 0.0) * len(fin)})
+            top = mh.max_over_hosts({"resp_len": resp_len.max(), "window": rb.window_len.max()})
+            counts = _merge_counts(mh.gather_json({k: int(v) for k, v in counts.items()}))
+            nfin = max(tot["fin"], 1.0)
             row = metrics.write(step + 1, {
-                "reward_mean": float(reward[fin].mean()) if len(fin) else 0.0,
-                "accuracy": float(correct[fin].mean()) if len(fin) else 0.0,
-                "finished_frac": float(rb.finished.mean()),
-                "response_len_mean": float(resp_len[fin].mean()) if len(fin) else 0.0,
-                "response_len_max": int(resp_len.max()),
-                "occupancy": float(rb.window_len.sum() / max(1, r.slots * rb.window_len.max())),
+                "reward_mean": tot["reward"] / nfin,
+                "accuracy": tot["correct"] / nfin,
+                "finished_frac": tot["fin"] / tot["rows"],
+                "response_len_mean": tot["resp_len"] / nfin,
+                "response_len_max": int(top["resp_len"]),
+                "occupancy": tot["tokens"] / max(1.0, r.slots * top["window"]),
                 "policy_loss": float(pstats.get("policy_loss", 0.0)),
                 "value_loss": float(vstats["value_loss"]),
                 **{k: float(v) for k, v in pstats.items() if k != "policy_loss"},
                 **{k: float(v) for k, v in vstats.items() if k != "value_loss"},
                 **{f"grade_{k}": v for k, v in counts.items()},
-                **({"steps_all_valid_frac": steps_valid} if steps_valid is not None else {}),
-                "tokens": int(rb.window_len.sum()),
-                "idle_slots": idle,
+                **({"steps_all_valid_frac": tot["steps_valid"] / nfin}
+                   if steps_valid is not None else {}),
+                "tokens": int(tot["tokens"]),
+                "idle_slots": int(tot["idle"]),
                 "time_rollout_s": t_roll, "time_grading_s": t_grade, "time_update_s": t_update,
-                "tokens_per_s": float(rb.window_len.sum()) / max(time.time() - t0, 1e-9),
+                "tokens_per_s": tot["tokens"] / max(time.time() - t0, 1e-9),
                 "train_time_s": train_time + (time.time() - t0),
             })
             train_time += time.time() - t0
-            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", fin=len(fin))
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", fin=int(tot["fin"]))
             last_step = step + 1
-            stop = False
+            target_hit = False
             tc = cfg.train
             if tc.eval_every and (step + 1) % tc.eval_every == 0:
-                res = ev()
+                res = ev()  # identical on every host
                 metrics.write(step + 1, {f"eval_{k}": v for k, v in res.items()})
-                stop = tc.target_accuracy is not None and res["accuracy"] >= tc.target_accuracy
-            if tc.time_budget_s is not None and time.time() - t_start >= tc.time_budget_s:
-                stop = True
-            meta = {"step": step + 1, "data_state": pipeline.state_json(),
-                    "scheduler": {k: v for k, v in sched.state_dict().items() if k != "slots"}}
-            preempted = stopper.requested
+                target_hit = (tc.target_accuracy is not None
+                              and res["accuracy"] >= tc.target_accuracy)
+            # Clocks and signals differ per host: stop when any host says so, all together.
+            flags = mh.max_over_hosts({
+                "preempted": stopper.requested,
+                "time_up": tc.time_budget_s is not None
+                and time.time() - t_start >= tc.time_budget_s})
+            preempted = bool(flags["preempted"])
+            stop = target_hit or bool(flags["time_up"])
+            meta = {"step": step + 1, "eval_before": before, "num_processes": jax.process_count(),
+                    "hosts": mh.gather_json({
+                        "data_state": pipeline.state_json(),
+                        "scheduler": {k: v for k, v in sched.state_dict().items()
+                                      if k != "slots"}})}
             is_last = step + 1 == cfg.train.steps or stop or preempted
-            ckpt.save(step + 1, {"policy": models.policy, "value": models.value,
-                                 "policy_opt": opt_p, "value_opt": opt_v,
-                                 "slots": sched.state.to_dict(),
-                                 "kv_cache": sched.cache_state()}, meta, force=is_last)
+            ckpt.save(step + 1, ckpt_trees(), meta, force=is_last)
             if preempted:
                 log.warning("preempted: checkpoint saved at step %d", step + 1)
                 break
@@ -380,5 +422,26 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     summary = {"eval_before": before, "eval_after": after, "steps": last_step,
                "preempted": preempted,
                "train_seconds": time.time() - t_start, "run_dir": str(run_dir)}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if primary:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _host_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """This host's part of a checkpoint's metadata (data iterator and scheduler state)."""
+    if "hosts" not in meta:  # written by a single-host version without per-host state
+        return meta
+    n = int(meta.get("num_processes", len(meta["hosts"])))
+    if n != jax.process_count():
+        raise ConfigError(f"checkpoint at step {meta['step']} was written by {n} processes; "
+                          f"this run has {jax.process_count()} (per-host data and rollout "
+                          f"state cannot be re-split)")
+    return meta["hosts"][jax.process_index()]
+
+
+def _merge_counts(per_host: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for counts in per_host:
+        for k, v in counts.items():
+            out[k] = out.get(k, 0) + int(v)
+    return out

@@ -90,15 +90,22 @@ def _sft_step(model: Transformer, opt: nnx.Optimizer, ids: jax.Array, mask: jax.
     return loss
 
 
-def warmstart(cfg: Config, cache_root: Path, *, progress: bool = True
+def warmstart(cfg: Config, cache_root: Path, *, progress: bool = True, mesh=None
               ) -> tuple[Tokenizer, Transformer, Path]:
-    """Returns ``(tokenizer, policy, cache_dir)``, training them unless cached."""
+    """Returns ``(tokenizer, policy, cache_dir)``, training them unless cached. The policy
+    is read back from the cache, straight into its shards when a mesh is given."""
     cache = Path(cache_root) / f"warmstart-{warmstart_key(cfg)}"
-    done = cache / "DONE"
-    if done.exists():
+    if (cache / "DONE").exists():
         log.info("warm-start: reusing %s", cache)
-        tok = Tokenizer.load(cache / "tokenizer.model")
-        return tok, from_pretrained(cache / "policy", dtype=cfg.model.dtype), cache
+    else:
+        _train(cfg, cache, progress)
+    tok = Tokenizer.load(cache / "tokenizer.model")
+    return tok, from_pretrained(cache / "policy", dtype=cfg.model.dtype, mesh=mesh), cache
+
+
+def _train(cfg: Config, cache: Path, progress: bool) -> None:
+    """Tokenizer + SFT on the noisy teacher corpus, saved to ``cache`` (``DONE`` last)."""
+    done = cache / "DONE"
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     task = synthetic_task(cfg)
@@ -131,4 +138,3 @@ def warmstart(cfg: Config, cache_root: Path, *, progress: bool = True
         {"final_loss": float(loss), "seconds": time.time() - t0, "vocab": tok.vocab_size,
          "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))}))
     done.write_text("ok")
-    return tok, model, cache

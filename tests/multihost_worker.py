@@ -1,0 +1,49 @@
+"""One process of the two-process test (``test_multihost.py``): ``tppo train`` through the
+CLI with the multi-host flags, then a digest of the final checkpoint's params.
+
+The digest is taken after restoring the checkpoint as global arrays on this process's
+mesh and gathering the full values, so equal digests mean the hosts agree on every
+parameter of the policy and value models.
+"""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from tppo_jax import cli
+
+
+def params_digest(ckpt_dir: Path) -> dict:
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from jax.experimental import multihost_utils
+
+    mngr = ocp.CheckpointManager(ckpt_dir)
+    step = mngr.latest_step()
+    out = {"step": step}
+    for item in ("policy", "value"):
+        tree = mngr.restore(step, args=ocp.args.Composite(
+            **{item: ocp.args.StandardRestore()}))[item]
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        h = hashlib.sha256()
+        finite = True
+        for path, x in leaves:
+            full = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            finite &= bool(np.isfinite(full).all())
+            h.update(jax.tree_util.keystr(path).encode())
+            h.update(full.astype(np.float32).tobytes())
+        out[item] = h.hexdigest()
+        out[f"{item}_finite"] = finite
+    mngr.close()
+    return out
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    rc = cli.main(argv)
+    if rc != 0:
+        sys.exit(rc)
+    run_dir = Path(argv[argv.index("--run-dir") + 1])
+    print("DIGEST " + json.dumps(params_digest(run_dir / "checkpoints")), flush=True)

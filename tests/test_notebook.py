@@ -1,0 +1,75 @@
+"""notebooks/quickstart.ipynb: stored without outputs, and runs end to end on CPU (shortened)."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
+
+
+def test_notebook_is_stored_clean():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbformat.validate(nb)
+    assert nb.nbformat == 4
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code
+    for c in code:
+        assert c.outputs == [] and c.execution_count is None, c.source[:80]
+    params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1
+    for name in ("RUN_DIR", "STEPS", "OVERRIDES",
+                 "TPPO_NB_RUN_DIR", "TPPO_NB_STEPS", "TPPO_NB_OVERRIDES"):
+        assert name in params[0].source
+
+
+@pytest.mark.slow
+def test_notebook_runs(tmp_path):
+    from jupyter_client import KernelManager
+    from jupyter_client.kernelspec import KernelSpecManager
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    # Appended to this in-memory copy only: proves which interpreter ran the kernel.
+    nb.cells.append(nbformat.v4.new_code_cell("import sys\nprint(sys.executable)"))
+
+    # A kernelspec pinned to this interpreter: a "python3" spec found on the Jupyter path
+    # (e.g. in ~/.local) could launch another Python without tppo_jax.
+    kernels = tmp_path / "kernels"
+    (kernels / "tppo-test").mkdir(parents=True)
+    (kernels / "tppo-test" / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "tppo-jax test", "language": "python"}))
+    km = KernelManager(kernel_name="tppo-test",
+                       kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)]))
+
+    run = tmp_path / "runs" / "nb"
+    # One CPU device (no 8-fake-device flag from conftest): compiles faster on 2 cores.
+    xla = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(xla),
+           "TPPO_NB_RUN_DIR": str(run), "TPPO_NB_STEPS": "2",
+           "TPPO_NB_OVERRIDES": "data.eval_size=16 train.eval_samples=1"}
+    env.pop("MPLBACKEND", None)  # the notebook draws inline
+
+    client = NotebookClient(nb, km=km, timeout=600,
+                            resources={"metadata": {"path": str(tmp_path)}})
+    client.execute(env=env)  # raises CellExecutionError on the first failing cell
+
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    stdout = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "held-out accuracy" in stdout
+    assert stdout.rstrip().splitlines()[-1] == sys.executable
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # inline figure + the PNG
+
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in rows] == [1, 2]
+    png = run / "metrics_vs_step.png"
+    assert png.exists() and png.stat().st_size > 1000
+    assert list((run / "tensorboard").iterdir())
+    # The warm-start cache lives next to the run dir, so a re-run of the notebook reuses it.
+    assert len(list(run.parent.glob("warmstart-*/DONE"))) == 1
