@@ -8,13 +8,15 @@
 #       install (a no-op after the first time), then `.venv/bin/tppo train ...` with:
 #       - model.path / model.value_path on gs:// copied once to local disk ($TPPO_MODELS_DIR)
 #         and passed as overrides (the loaders read local folders);
-#       - a gs:// run dir trained into a local folder and synced to the bucket by worker 0
-#         every $TPPO_SYNC_EVERY seconds and at the end (pulled first with --resume);
+#       - a gs:// run dir: checkpoints written there directly by Orbax (every host writes
+#         its own shards; checkpoint.dir override), logs written to a local folder and synced
+#         to the bucket by worker 0 every $TPPO_SYNC_EVERY seconds and at the end (pulled
+#         first with --resume);
 #       - its pid in ~/tppo-train.pid and exit status in ~/tppo-train.rc (the launcher's
 #         log-streaming step waits on them).
 #
-# Multi-host: every worker runs the same command; JAX on Cloud TPU discovers the slice itself
-# (jax.distributed.initialize() needs no coordinator address or process id there).
+# Multi-host: every worker runs the same command (`tppo launch` adds --distributed auto); JAX
+# on Cloud TPU discovers the slice itself (no coordinator address or process id needed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE_DIR="${TPPO_STATE_DIR:-$HOME}"
@@ -45,6 +47,11 @@ pick_python() {
 
 install() {
   PYTHON="$(pick_python)" ./install.sh
+  # Orbax writes gs:// paths through etils.epath, whose bucket backend is gcsfs.
+  if ! .venv/bin/python -c 'import gcsfs' 2>/dev/null; then
+    log "installing gcsfs (gs:// checkpoints)"
+    .venv/bin/python -m pip install -q gcsfs
+  fi
   # pyproject depends on plain jax (the CPU default); a TPU VM also needs libtpu.
   if compgen -G "/dev/accel*" >/dev/null || compgen -G "/dev/vfio/[0-9]*" >/dev/null; then
     if ! .venv/bin/python -c 'import libtpu' 2>/dev/null; then
@@ -97,11 +104,14 @@ print(c.model.path or "-", c.model.value_path or "-")' "$config" ${overrides[@]+
   local local_dir="$run_dir" syncer="" worker
   worker="$(worker_id)"
   if [[ "$run_dir" == gs://* ]]; then
-    # The trainer writes with pathlib (local paths only): train locally, mirror to the bucket.
+    # Checkpoints: straight to the bucket (all hosts' shards in one place). Logs: the
+    # trainer writes them with pathlib, so locally, mirrored to the bucket by worker 0.
     local_dir="$HOME/tppo-runs/$(basename "$run_dir")"
     mkdir -p "$local_dir"
+    overrides+=("checkpoint.dir=$run_dir/checkpoints")
     if ((resume)); then
-      gcloud storage rsync -r "$run_dir" "$local_dir" >&2 || log "nothing to resume in $run_dir"
+      gcloud storage rsync -r --exclude='^checkpoints/' "$run_dir" "$local_dir" >&2 ||
+        log "nothing to resume in $run_dir"
     fi
     if [[ "$worker" == 0 ]]; then
       (while sleep "$SYNC_EVERY"; do

@@ -32,3 +32,12 @@ def test_nan_params_are_not_checkpointed(tmp_path):
     assert not ck.save(1, _trees(float("nan")), {"step": 1}, force=True)
     assert ck.latest_step() is None
     ck.close()
+
+
+def test_checkpoint_path_keeps_bucket_urls(tmp_path, monkeypatch):
+    from tppo_jax.train.checkpoint import checkpoint_path
+
+    # gs:// must reach Orbax untouched (pathlib would turn "gs://b" into "gs:/b").
+    assert str(checkpoint_path("gs://bkt/runs/x/checkpoints")) == "gs://bkt/runs/x/checkpoints"
+    monkeypatch.chdir(tmp_path)
+    assert str(checkpoint_path("runs/ck")) == str(tmp_path / "runs" / "ck")

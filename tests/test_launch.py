@@ -87,6 +87,7 @@ def test_dry_run_v5p_64(capsys):
     assert ("nohup launch/run_on_pod.sh .venv/bin/tppo train --config configs/default.yaml "
             "--run-dir gs://bkt/runs/t1") in train
     assert "train.steps=10" in train and "> ~/tppo-train.log" in train
+    assert "--distributed auto" in train  # 8 hosts: jax.distributed discovers the slice
     assert "tail" in stream and "~/tppo-train.log" in stream
     [scp] = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "scp")
     assert "--worker=all" in scp
@@ -108,6 +109,7 @@ def test_dry_run_v4_8_default_name_and_zone(capsys):
     assert create[create.index("--accelerator-type") + 1] == "v4-8"
     assert "--spot" in create and "--project" not in create
     assert "--config configs/ppo.yaml --run-dir runs/tppo-ppo-v4-8" in out
+    assert "--distributed" not in out  # one host
     # no bucket: results come back from worker 0 over scp
     [back] = [c for c in find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "scp")
               if "--recurse" in c]
@@ -132,7 +134,7 @@ def test_queued_resource(capsys):
 
 def test_best_effort_uses_alpha(capsys):
     assert tppo(["launch", "--config", "default", "--tpu-type", "v5litepod-16",
-                 "--best-effort", "--keep", "--dry-run"]) == 0
+                 "--best-effort", "--keep", "--bucket", "gs://b", "--dry-run"]) == 0
     cmds = commands(capsys.readouterr().out)
     [create] = find(cmds, "gcloud", "alpha", "compute", "tpus", "queued-resources", "create")
     assert "--best-effort" in create
@@ -148,6 +150,14 @@ def test_paper_config_mesh_must_match_slice(capsys):
                  "v5p-512", "--bucket", "gs://b", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "--accelerator-type v5p-512" in out and "(256 chips, 64 hosts" in out
+
+
+def test_multi_host_needs_a_bucket_run_dir(capsys):
+    # Each host writes its own checkpoint shards: local run dirs would scatter them.
+    rc = tppo(["launch", "--config", "default", "--tpu-type", "v5p-64", "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "8 hosts" in err and "--bucket gs://BUCKET" in err
+    assert len(err.strip().splitlines()) == 1
 
 
 def _spec(**kw) -> LaunchSpec:
@@ -209,6 +219,8 @@ def test_run_on_pod_script():
     script = ROOT / "launch" / "run_on_pod.sh"
     text = script.read_text()
     assert "./install.sh" in text and ".venv/bin/tppo train" in text
+    # gs:// run dirs: checkpoints go to the bucket directly (every host's shards in one place)
+    assert 'checkpoint.dir=$run_dir/checkpoints' in text and "gcsfs" in text
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2 and "run_on_pod.sh" in usage.stderr

@@ -3,6 +3,8 @@
 Layouts: fsdp=4 x tensor=2 (params sharded, batch over fsdp) and data=8 (pure data parallel).
 """
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,12 +12,13 @@ import pytest
 from flax import nnx
 
 from tppo_jax.config import AlgoConfig, OptimConfig
-from tppo_jax.models.transformer import ModelConfig, create_model, param_shardings
+from tppo_jax.models.transformer import ModelConfig, create_model, param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel.mesh import batch_sharding, make_mesh
 from tppo_jax.train.step import (
     StepConfig,
     make_optimizer,
+    on_mesh,
     policy_update,
     rollout_targets,
     value_update,
@@ -44,6 +47,8 @@ def _run(mesh):
                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
     policy = create_model(cfg_m, seed=0, mesh=mesh)
     critic = ValueModel.from_policy(policy)
+    if mesh is not None:  # as the trainer does: the new value head too
+        shard_model(critic, mesh)
     pdef, pstate = nnx.split(policy)
     vdef, vstate = nnx.split(critic)
     pp, vp = nnx.to_pure_dict(pstate), nnx.to_pure_dict(vstate)
@@ -55,10 +60,21 @@ def _run(mesh):
     scfg = StepConfig(algo=AlgoConfig(window_ignore_tokens=2), optim=optim, window=W,
                       temperature=1.0)
     tx_p, tx_v = make_optimizer(1e-3, optim), make_optimizer(1e-3, optim)
-    targets = rollout_targets(vdef, vp, batch, cfg=scfg)
+    op, ov = tx_p.init(pp), tx_v.init(vp)
+    targets_fn = partial(rollout_targets, vdef, cfg=scfg)
+    pol_fn = partial(policy_update, pdef, tx=tx_p, cfg=scfg)
+    val_fn = partial(value_update, vdef, tx=tx_v, cfg=scfg)
+    if mesh is not None:  # the trainer's path: shardings declared in and out
+        targets_fn = on_mesh(rollout_targets, mesh, vdef, vp, cfg=scfg)
+        pol_fn = on_mesh(policy_update, mesh, pdef, pp, op, tx=tx_p, cfg=scfg)
+        val_fn = on_mesh(value_update, mesh, vdef, vp, ov, tx=tx_v, cfg=scfg)
+    placed = jax.tree.map(lambda x: x.sharding, (pp, vp))
+    targets = targets_fn(vp, batch)
     full = {**batch, **targets}
-    pp, _, pstats = policy_update(pdef, pp, tx_p.init(pp), full, tx=tx_p, cfg=scfg)
-    vp, _, vstats = value_update(vdef, vp, tx_v.init(vp), full, tx=tx_v, cfg=scfg)
+    pp, _, pstats = pol_fn(pp, op, full)
+    vp, _, vstats = val_fn(vp, ov, full)
+    if mesh is not None:  # updated params come back exactly where they were
+        assert jax.tree.map(lambda x: x.sharding, (pp, vp)) == placed
     return jax.device_get((pp, vp, pstats, vstats, targets["advantages"])), pp
 
 

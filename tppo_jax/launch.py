@@ -6,9 +6,11 @@ every worker, stream worker 0's log, copy results back, delete the TPU). ``rende
 as a shell script (``tppo launch --dry-run``); ``run_steps`` executes them with ``subprocess``,
 stopping at the first failure. Nothing here imports jax.
 
-Multi-host: every worker of a slice runs the same ``tppo train`` command. On Cloud TPU, JAX
-discovers the slice by itself (the TPU runtime knows the hosts, and ``jax.distributed.initialize()``
-needs no arguments there), so no coordinator address or process id is passed.
+Multi-host: every worker of a slice runs the same ``tppo train --distributed auto`` command.
+On Cloud TPU, JAX discovers the slice by itself (the TPU runtime knows the hosts, and
+``jax.distributed.initialize()`` needs no arguments there), so no coordinator address or
+process id is passed. Every host writes its own checkpoint shards, so a multi-host run needs
+a ``gs://`` run dir (``--bucket``): the checkpoints go there directly.
 """
 
 from __future__ import annotations
@@ -188,6 +190,8 @@ def train_argv(spec: LaunchSpec) -> list[str]:
     """The per-worker training command (README: ``.venv/bin/tppo train``)."""
     argv = [".venv/bin/tppo", "train", "--config", remote_config(spec),
             "--run-dir", spec.resolved_run_dir, "--no-progress"]
+    if spec.tpu.hosts > 1:
+        argv += ["--distributed", "auto"]
     if spec.resume:
         argv.append("--resume")
     return argv + list(spec.overrides)
@@ -197,6 +201,10 @@ def build_steps(spec: LaunchSpec) -> list[Step]:
     """The launch as ordered steps; see the module docstring."""
     steps: list[Step] = []
     t = spec.tpu
+    if t.hosts > 1 and not spec.resolved_run_dir.startswith("gs://"):
+        raise LaunchError(f"{t.name} has {t.hosts} hosts: each writes its own checkpoint "
+                          f"shards, so the run dir must be one place they all reach; pass "
+                          f"--bucket gs://BUCKET or --run-dir gs://...")
     if spec.queued:
         create = ["compute", "tpus", "queued-resources", "create", spec.name,
                   "--node-id", spec.name, "--accelerator-type", t.name,

@@ -232,3 +232,33 @@ def rollout_targets(graphdef: Any, value_params: Any, batch: dict[str, jax.Array
     out = compute_targets(values, batch, cfg)
     out["values_old"] = values
     return out
+
+
+def on_mesh(step, mesh, graphdef: Any, params: Any, opt_state: Any | None = None,
+            **static: Any):
+    """``step`` (``policy_update``/``value_update``, or ``rollout_targets`` without an
+    optimizer state) re-jitted for this mesh with its shardings declared, its static
+    arguments (``graphdef`` and the ``tx``/``cfg`` keywords) bound. Params and optimizer
+    state go in and come out exactly as placed now (leaves off the mesh, such as a step
+    count, replicated); every batch array is split over the batch axes; stats are
+    replicated. The update can then never hand back params in a layout the compiler chose.
+
+    Returns ``f(params, opt_state, batch)`` (``f(params, batch)`` for ``rollout_targets``).
+    """
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from tppo_jax.parallel.mesh import logical_to_spec
+
+    rep = NamedSharding(mesh, PartitionSpec())
+    batch = NamedSharding(mesh, logical_to_spec(("batch",)))  # a prefix: leading dim only
+
+    def placed(tree: Any) -> Any:
+        return jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding)
+                            and x.sharding.mesh == mesh else rep, tree)
+
+    fn = partial(step.__wrapped__, graphdef, **static)
+    if opt_state is None:  # rollout_targets(params, batch) -> targets
+        return jax.jit(fn, in_shardings=(placed(params), batch), out_shardings=batch)
+    p, o = placed(params), placed(opt_state)
+    return jax.jit(fn, donate_argnums=(0, 1), in_shardings=(p, o, batch),
+                   out_shardings=(p, o, rep))

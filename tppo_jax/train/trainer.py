@@ -46,6 +46,7 @@ from tppo_jax.train.metrics import MetricsWriter
 from tppo_jax.train.step import (
     StepConfig,
     make_optimizer,
+    on_mesh,
     policy_update,
     rollout_targets,
     value_update,
@@ -270,6 +271,12 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
         sched.restore_cache(trees["kv_cache"])
         start = int(meta["step"])
         log.info("resumed from step %d", start)
+    # The jitted steps, with the params' and optimizer states' shardings declared in and out.
+    targets_fn = on_mesh(rollout_targets, mesh, models.value_def, models.value, cfg=scfg)
+    policy_fn = on_mesh(policy_update, mesh, models.policy_def, models.policy, opt_p,
+                        tx=tx_p, cfg=scfg)
+    value_fn = on_mesh(value_update, mesh, models.value_def, models.value, opt_v,
+                       tx=tx_v, cfg=scfg)
 
     grader = MathGrader(num_workers=cfg.reward.workers, item_timeout_s=cfg.reward.item_timeout_s,
                         batch_deadline_s=cfg.reward.batch_deadline_s,
@@ -331,7 +338,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 token_rewards, steps_valid = step_process_rewards(cfg, tok, rb, fin)
             t_grade = time.time() - t0 - t_roll
             arrays = batch_arrays(rb, reward, mesh, token_rewards)
-            targets = rollout_targets(models.value_def, models.value, arrays, cfg=scfg)
+            targets = targets_fn(models.value, arrays)
             train_batch = {**arrays, **targets}
             if fault_step is not None and step + 1 >= fault_step:
                 train_batch["advantages"] = train_batch["advantages"] * float("nan")
@@ -339,10 +346,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
             # Dispatched back to back: neither update waits for the other's result.
             pstats: dict[str, Any] = {}
             if step >= a.critic_warmup_steps:
-                models.policy, opt_p, pstats = policy_update(
-                    models.policy_def, models.policy, opt_p, train_batch, tx=tx_p, cfg=scfg)
-            models.value, opt_v, vstats = value_update(
-                models.value_def, models.value, opt_v, train_batch, tx=tx_v, cfg=scfg)
+                models.policy, opt_p, pstats = policy_fn(models.policy, opt_p, train_batch)
+            models.value, opt_v, vstats = value_fn(models.value, opt_v, train_batch)
             pstats, vstats = mh.tree_to_host((pstats, vstats))  # replicated scalars
             skipped = float(pstats.get("policy_skipped", 0.0)) + float(vstats["value_skipped"])
             skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
