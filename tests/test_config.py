@@ -46,6 +46,7 @@ def test_parse_override_nested():
         ("algo.eps_high=-0.1", "algo.eps_high must be > 0"),
         ("optim.policy_lr=abc", "optim.policy_lr: expected a number"),
         ("algo.loss_aggregation=mean", "algo.loss_aggregation: 'mean' is not one of"),
+        ("mesh.decode_layout=tp", "mesh.decode_layout: 'tp' is not one of"),
         ("algo.gamma=1.5", "algo.gamma must be in [0, 1]"),
         ("rollout.group_size=2.5", "rollout.group_size: expected an integer"),
         ("optim.minibatches=3", "not divisible by optim.minibatches"),

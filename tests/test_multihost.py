@@ -44,7 +44,9 @@ def _run_two(run_dir: Path, overrides: list[str], cwd: Path, flags: tuple = ()) 
                     # wrong = -1: the smoke model rarely answers, and all-zero rewards
                     # would leave every loss (and so every param) unchanged.
                     "data.eval_size=8", "train.eval_samples=1", "algo.critic_warmup_steps=0",
-                    "reward.wrong=-1", *overrides]
+                    "reward.wrong=-1",
+                    # rollout weights resharded to the decode layout across both hosts
+                    "mesh.decode_layout=decode", *overrides]
             procs.append(subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True))
         outs = [p.communicate(timeout=900)[0] for p in procs]
@@ -97,7 +99,9 @@ def test_host_global_roundtrip_single_process(devices8):
     x = np.arange(8 * 3).reshape(8, 3).astype(np.float32)
     g = mh.host_to_global(x, mesh)
     assert g.shape == (8, 3) and g.sharding.spec[0] == ("data", "fsdp")
-    np.testing.assert_array_equal(mh.global_to_host(g), x)
+    back = mh.global_to_host(g)
+    np.testing.assert_array_equal(back, x)
+    back[0, 0] = -1.0  # host state restored from a checkpoint is modified in place
     np.testing.assert_array_equal(mh.global_to_host(jax.numpy.float32(3.0)), 3.0)
     assert mh.sum_over_hosts({"a": 2, "b": 1.5}) == {"a": 2.0, "b": 1.5}
     assert mh.max_over_hosts({"a": 2}) == {"a": 2.0}

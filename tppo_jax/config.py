@@ -141,6 +141,9 @@ class MeshConfig:
     data: int = -1  # -1 = the devices left over
     fsdp: int = 1
     tensor: int = 1
+    # Weights for rollout decode: "train" uses the training layout as is; "decode" reshards
+    # a copy after every update to tensor-only splitting (no FSDP gathers per token).
+    decode_layout: Literal["train", "decode"] = "train"
 
 
 @dataclass(frozen=True)

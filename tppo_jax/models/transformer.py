@@ -332,13 +332,16 @@ def _is_param(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def param_shardings(tree: Any, mesh: Mesh) -> Any:
+def param_shardings(tree: Any, mesh: Mesh, rules: dict | None = None) -> Any:
     """Replaces every Variable of an ``nnx.State`` (concrete or abstract) by its NamedSharding,
-    derived from the Variable's logical ``out_sharding`` axes."""
+    derived from the Variable's logical ``out_sharding`` axes (under ``rules``, default
+    ``LOGICAL_RULES``; ``layout_rules("decode")`` gives the decode layout)."""
 
     def one(var: nnx.Variable):
         axes = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
-        return named_sharding(mesh, axes, var.shape)
+        if rules is None:
+            return named_sharding(mesh, axes, var.shape)
+        return named_sharding(mesh, axes, var.shape, rules=rules)
 
     return jax.tree.map(one, tree, is_leaf=_is_param)
 

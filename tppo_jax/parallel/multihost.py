@@ -143,11 +143,11 @@ def host_to_global(x: np.ndarray, mesh: Mesh) -> jax.Array:
 
 def global_to_host(x: jax.Array) -> np.ndarray:
     """This host's rows of a global ``[B, ...]`` array (all of it if replicated or scalar),
-    read from the shards it addresses: no cross-host transfer."""
+    read from the shards it addresses: no cross-host transfer. Always a writable copy."""
     if not isinstance(x, jax.Array) or x.is_fully_addressable or x.ndim == 0:
-        return np.asarray(x)
+        return np.array(x)
     if x.is_fully_replicated:
-        return np.asarray(x.addressable_shards[0].data)
+        return np.array(x.addressable_shards[0].data)
     n = local_count(x.shape[0])
     lo = jax.process_index() * n
     out = np.empty((n, *x.shape[1:]), x.dtype)

@@ -33,10 +33,10 @@ from tppo_jax.config import Config, ConfigError, validate
 from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.data.readers import MathExample, read_examples
 from tppo_jax.models.tokenizer import Tokenizer
-from tppo_jax.models.transformer import shard_model
+from tppo_jax.models.transformer import param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.parallel.mesh import make_mesh
+from tppo_jax.parallel.mesh import layout_rules, make_mesh, reshard
 from tppo_jax.rewards.math import MathGrader, overlong_penalty
 from tppo_jax.rollout.generate import SamplingParams
 from tppo_jax.rollout.scheduler import RolloutBatch, TruncatedRolloutScheduler
@@ -245,7 +245,19 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     tx_v = make_optimizer(cfg.optim.value_lr, cfg.optim)
     opt_p = _on_mesh(tx_p.init(models.policy), mesh)
     opt_v = _on_mesh(tx_v.init(models.value), mesh)
-    policy_model = lambda: nnx.merge(models.policy_def, models.policy)  # noqa: E731
+    decode_shardings = None
+    if cfg.mesh.decode_layout == "decode":
+        decode_shardings = nnx.to_pure_dict(param_shardings(
+            nnx.state(nnx.merge(models.policy_def, models.policy)), mesh,
+            rules=layout_rules("decode")))
+
+    def policy_model() -> nnx.Module:
+        """The policy for rollout and eval: the trained params, or (decode layout) a copy
+        moved to the decode shardings by one explicit reshard."""
+        params = models.policy
+        if decode_shardings is not None:
+            params = reshard(params, decode_shardings)
+        return nnx.merge(models.policy_def, params)
     sched = TruncatedRolloutScheduler(
         policy_model(), prompts, encode, slots=r.slots, group_size=r.group_size,
         max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len, window=r.window,
