@@ -142,3 +142,13 @@ def test_paged_cache_is_refused_with_several_processes():
     with pytest.raises(ConfigError, match="single-host"):
         validate(cfg, num_devices=8, num_processes=2)
     validate(load_config("smoke", []), num_devices=8, num_processes=2)
+
+
+def test_resume_with_other_process_count_is_refused():
+    from tppo_jax.config import ConfigError
+    from tppo_jax.train.trainer import _host_meta
+
+    meta = {"step": 4, "num_processes": 2, "hosts": [{"data_state": "a"}, {"data_state": "b"}]}
+    with pytest.raises(ConfigError, match="written by 2 processes; this run has 1"):
+        _host_meta(meta)
+    assert _host_meta({**meta, "num_processes": 1, "hosts": [{"x": 1}]}) == {"x": 1}
