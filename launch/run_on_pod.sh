@@ -8,10 +8,9 @@
 #       install (a no-op after the first time), then `.venv/bin/tppo train ...` with:
 #       - model.path / model.value_path on gs:// copied once to local disk ($TPPO_MODELS_DIR)
 #         and passed as overrides (the loaders read local folders);
-#       - a gs:// run dir: checkpoints written there directly by Orbax (every host writes
-#         its own shards; checkpoint.dir override), logs written to a local folder and synced
-#         to the bucket by worker 0 every $TPPO_SYNC_EVERY seconds and at the end (pulled
-#         first with --resume);
+#       - a gs:// run dir passed through: Orbax writes the checkpoints there (every host its
+#         own shards) and process 0 mirrors the logs at each checkpoint (pulled back first
+#         with --resume); worker 0's log is copied there at the end;
 #       - its pid in ~/tppo-train.pid and exit status in ~/tppo-train.rc (the launcher's
 #         log-streaming step waits on them).
 #
@@ -21,7 +20,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE_DIR="${TPPO_STATE_DIR:-$HOME}"
 MODELS_DIR="${TPPO_MODELS_DIR:-$HOME/models}"
-SYNC_EVERY="${TPPO_SYNC_EVERY:-600}"
 
 log() { echo "[run_on_pod $(hostname)] $*" >&2; }
 
@@ -77,12 +75,12 @@ train() {
   echo $$ > "$STATE_DIR/tppo-train.pid"
   trap 'echo $? > "$STATE_DIR/tppo-train.rc"' EXIT
   install
-  local config="" run_dir="runs/default" resume=0 args=() overrides=()
+  local config="" run_dir="runs/default" args=() overrides=()
   while (($#)); do
     case "$1" in
       --config) config="$2"; args+=("$1" "$2"); shift 2 ;;
       --run-dir) run_dir="$2"; shift 2 ;;
-      --resume) resume=1; args+=("$1"); shift ;;
+      --resume) args+=("$1"); shift ;;
       --*) args+=("$1"); shift ;;
       *) overrides+=("$1"); shift ;;
     esac
@@ -101,34 +99,17 @@ print(c.model.path or "-", c.model.value_path or "-")' "$config" ${overrides[@]+
     overrides+=("model.value_path=$(stage_model "$value_path")")
   fi
 
-  local local_dir="$run_dir" syncer="" worker
+  # A gs:// run dir goes to tppo train as is: Orbax writes the checkpoints there (every
+  # host its own shards) and process 0 mirrors the logs there (tppo_jax/train/run_dir.py).
+  local worker
   worker="$(worker_id)"
-  if [[ "$run_dir" == gs://* ]]; then
-    # Checkpoints: straight to the bucket (all hosts' shards in one place). Logs: the
-    # trainer writes them with pathlib, so locally, mirrored to the bucket by worker 0.
-    local_dir="$HOME/tppo-runs/$(basename "$run_dir")"
-    mkdir -p "$local_dir"
-    overrides+=("checkpoint.dir=$run_dir/checkpoints")
-    if ((resume)); then
-      gcloud storage rsync -r --exclude='^checkpoints/' "$run_dir" "$local_dir" >&2 ||
-        log "nothing to resume in $run_dir"
-    fi
-    if [[ "$worker" == 0 ]]; then
-      (while sleep "$SYNC_EVERY"; do
-         gcloud storage rsync -r "$local_dir" "$run_dir" >/dev/null 2>&1 || true
-       done) &
-      syncer=$!
-    fi
-  fi
-  local cmd=(.venv/bin/tppo train --run-dir "$local_dir" ${args[@]+"${args[@]}"}
+  local cmd=(.venv/bin/tppo train --run-dir "$run_dir" ${args[@]+"${args[@]}"}
              ${overrides[@]+"${overrides[@]}"})
   log "worker $worker: ${cmd[*]}"
   local rc=0
   "${cmd[@]}" || rc=$?
-  if [[ -n "$syncer" ]]; then
-    kill "$syncer" 2>/dev/null || true
-    cp "$HOME/tppo-train.log" "$local_dir/worker0.log" 2>/dev/null || true
-    gcloud storage rsync -r "$local_dir" "$run_dir" >&2 || { ((rc)) || rc=1; }
+  if [[ "$worker" == 0 && "$run_dir" == gs://* ]]; then
+    gcloud storage cp "$STATE_DIR/tppo-train.log" "$run_dir/worker0.log" >&2 || true
   fi
   log "tppo train exited with $rc"
   return "$rc"

@@ -220,7 +220,7 @@ def test_run_on_pod_script():
     text = script.read_text()
     assert "./install.sh" in text and ".venv/bin/tppo train" in text
     # gs:// run dirs: checkpoints go to the bucket directly (every host's shards in one place)
-    assert 'checkpoint.dir=$run_dir/checkpoints' in text and "gcsfs" in text
+    assert '--run-dir "$run_dir"' in text and "gcsfs" in text
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2 and "run_on_pod.sh" in usage.stderr

@@ -50,7 +50,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     start_distributed(args)
     cfg = load_config(args.config, args.overrides)
     name = Path(args.config).stem if args.config else "default"
-    run_dir = Path(args.run_dir or Path("runs") / name)
+    run_dir = args.run_dir or str(Path("runs") / name)  # str: may be a gs:// URL
     from tppo_jax.train.trainer import TrainingDiverged
 
     try:
@@ -128,7 +128,7 @@ def load_run_policy(run_dir: Path, step: int | None):
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
     cfg = load_config(run_dir / "config.yaml")
     models = load_models(cfg, run_dir, progress=False)
-    ckpt = Checkpointer(run_dir / "checkpoints", every=0, keep=1000)
+    ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", every=0, keep=1000)
     step = step if step is not None else ckpt.latest_step()
     if step is not None:
         models.policy = ckpt.restore_item(step, "policy", models.policy)

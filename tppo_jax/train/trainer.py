@@ -43,6 +43,7 @@ from tppo_jax.rollout.scheduler import RolloutBatch, TruncatedRolloutScheduler
 from tppo_jax.train.checkpoint import Checkpointer
 from tppo_jax.train.evaluate import evaluate
 from tppo_jax.train.metrics import MetricsWriter
+from tppo_jax.train.run_dir import mirror, pull, resolve_run_dir
 from tppo_jax.train.step import (
     StepConfig,
     make_optimizer,
@@ -203,17 +204,22 @@ def _on_mesh(tree: Any, mesh) -> Any:
 
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
           progress: bool = True) -> dict[str, Any]:
-    """Runs T-PPO; returns a summary (before/after held-out accuracy, steps, time)."""
-    run_dir = Path(run_dir).absolute()
+    """Runs T-PPO; returns a summary (before/after held-out accuracy, steps, time).
+
+    ``run_dir`` may be a bucket URL (``gs://...``): see ``train/run_dir.py``.
+    """
     validate(cfg, num_devices=jax.device_count(), num_processes=jax.process_count())
-    ckpt_dir = cfg.checkpoint.dir or run_dir / "checkpoints"
-    ckpt = Checkpointer(ckpt_dir, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+    rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
+    run_dir = rd.local
+    ckpt = Checkpointer(rd.checkpoints, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
     if ckpt.latest_step() is not None and not resume:
         ckpt.close()
         raise ConfigError(f"{ckpt.directory} already has checkpoints: pass --resume to "
                           f"continue the run, or choose a new --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     primary = mh.is_primary()  # process 0 writes the run dir's files
+    if resume and primary:
+        pull(rd)  # a bucket run's logs, so the resumed run appends to them
     if primary:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     r, a = cfg.rollout, cfg.algo
@@ -367,7 +373,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 raise TrainingDiverged(
                     f"step {step + 1}: non-finite loss or gradient in {skipped_in_a_row} "
                     f"consecutive steps (updates skipped, params unchanged); last checkpoint: "
-                    f"step {ckpt.latest_step()} in {ckpt_dir}")
+                    f"step {ckpt.latest_step()} in {ckpt.directory}")
             t_update = time.time() - t0 - t_roll - t_grade
             sched.set_policy(policy_model(), step + 1)
             sched.release_finished(rb.finished)
@@ -423,7 +429,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                         "scheduler": {k: v for k, v in sched.state_dict().items()
                                       if k != "slots"}})}
             is_last = step + 1 == cfg.train.steps or stop or preempted
-            ckpt.save(step + 1, ckpt_trees(), meta, force=is_last)
+            if ckpt.save(step + 1, ckpt_trees(), meta, force=is_last) and primary:
+                mirror(rd)
             if preempted:
                 log.warning("preempted: checkpoint saved at step %d", step + 1)
                 break
@@ -437,10 +444,11 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
         metrics.close()
         grader.close()
     summary = {"eval_before": before, "eval_after": after, "steps": last_step,
-               "preempted": preempted,
-               "train_seconds": time.time() - t_start, "run_dir": str(run_dir)}
+               "preempted": preempted, "train_seconds": time.time() - t_start,
+               "run_dir": rd.remote or str(run_dir)}
     if primary:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        mirror(rd)
     return summary
 
 
