@@ -8,9 +8,12 @@ tests of the host <-> global helpers and the start-up settings.
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -29,11 +32,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two(run_dir: Path, overrides: list[str], cwd: Path, flags: tuple = ()) -> list[str]:
+def _run_two(run_dir: Path, overrides: list[str], cwd: Path, flags: tuple = (),
+             during=None) -> list[str]:
+    """Runs both processes to the end (``during(procs)`` is called once they started);
+    returns their console output. Output goes to files: a full pipe would block one process
+    while the other waits for it in a collective."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    procs = []
+    procs, logs = [], []
     try:
         for pid in range(2):
             args = [sys.executable, str(WORKER), "train", "--config", "smoke",
@@ -47,14 +54,24 @@ def _run_two(run_dir: Path, overrides: list[str], cwd: Path, flags: tuple = ()) 
                     "reward.wrong=-1",
                     # rollout weights resharded to the decode layout across both hosts
                     "mesh.decode_layout=decode", *overrides]
-            procs.append(subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE,
+            log = (cwd / f"{run_dir.name}-process{pid}.log").open("w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(args, cwd=cwd, env=env, stdout=log,
                                           stderr=subprocess.STDOUT, text=True))
-        outs = [p.communicate(timeout=900)[0] for p in procs]
+        if during is not None:
+            during(procs)
+        for p in procs:
+            p.wait(timeout=900)
     finally:  # never leave a process behind (one hung on the other's failure)
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    outs = []
+    for log in logs:
+        log.seek(0)
+        outs.append(log.read())
+        log.close()
     for pid, (p, out) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"process {pid} exited {p.returncode}:\n{out[-4000:]}"
     return outs
@@ -91,6 +108,28 @@ def test_two_processes_train_and_agree(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     straight = _digest(_run_two(tmp_path / "runs" / "straight", ["train.steps=3"], tmp_path)[0])
     assert straight == r0
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_host_stops_both_at_the_same_step(tmp_path):
+    """Preemption reaches hosts at different times; a host leaving the loop alone would
+    leave the other blocked in a collective. Here only process 1 gets SIGTERM."""
+    run = tmp_path / "runs" / "pre"
+
+    def preempt_process_1(procs):
+        deadline = time.time() + 600
+        metrics = run / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+            assert time.time() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGTERM)
+
+    outs = _run_two(run, ["train.steps=12"], tmp_path, during=preempt_process_1)
+    said = [re.search(r"preempted after step (\d+); checkpoint saved", o) for o in outs]
+    assert all(said), outs[0][-2000:]
+    step = int(said[0].group(1))
+    assert int(said[1].group(1)) == step < 12
+    assert _digest(outs[0]) == _digest(outs[1]) and _digest(outs[0])["step"] == step
 
 
 # ---------------------------------------------------------------- single-process helpers
