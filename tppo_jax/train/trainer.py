@@ -264,6 +264,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
         if decode_shardings is not None:
             params = reshard(params, decode_shardings)
         return nnx.merge(models.policy_def, params)
+
     sched = TruncatedRolloutScheduler(
         policy_model(), prompts, encode, slots=r.slots, group_size=r.group_size,
         max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len, window=r.window,
