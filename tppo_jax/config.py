@@ -413,11 +413,6 @@ def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1
             f"slots ({r.slots}) not divisible by optim.minibatches * optim.grad_accum "
             f"({o.minibatches} * {o.grad_accum})"
         )
-    if r.slots % o.minibatches:
-        raise ConfigError(
-            f"slots (prompts_per_step*group_size = {r.slots}) not divisible by "
-            f"optim.minibatches ({o.minibatches})"
-        )
     m = cfg.mesh
     if cfg.reward.overlong_buffer > r.max_response_len:
         raise ConfigError(f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) exceeds "

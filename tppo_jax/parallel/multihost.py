@@ -40,7 +40,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
     ``auto`` (or ``TPPO_DISTRIBUTED=auto``) calls ``jax.distributed.initialize()`` without
     arguments; Cloud TPU pods (and SLURM/Open MPI) describe the cluster to JAX themselves.
-    Explicit settings need all three of coordinator, process count and process id. On CPU,
+    Explicit settings need all three of coordinator, process count and process id. CPU
     collectives use gloo. Returns True when a multi-process runtime was started.
     Must run before anything touches a device.
     """
@@ -64,8 +64,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if not 0 <= process_id < num_processes:
             raise ValueError(f"distributed: process id {process_id} is not in "
                              f"[0, {num_processes})")
-    if _cpu_only():
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Only the CPU backend reads this (on TPU/GPU it is inert): gloo for CPU collectives.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if auto:
         jax.distributed.initialize()
     else:
@@ -82,18 +82,6 @@ def _env_int(name: str) -> int:
         return int(os.environ[name])
     except ValueError:
         raise ValueError(f"{name}={os.environ[name]!r} is not an integer") from None
-
-
-def _cpu_only() -> bool:
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if platforms:
-        return platforms.split(",")[0].strip() == "cpu"
-    try:  # no platform pinned: CPU unless an accelerator plugin is installed
-        import importlib.util
-
-        return not any(importlib.util.find_spec(m) for m in ("libtpu", "jax_cuda12_plugin"))
-    except (ImportError, ValueError):
-        return True
 
 
 def is_primary() -> bool:
@@ -177,22 +165,22 @@ def _allgather(x: np.ndarray) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(np.asarray(x)))
 
 
-def sum_over_hosts(values: Mapping[str, float]) -> dict[str, float]:
-    """Sums each value over hosts (identity with one process)."""
+def _reduce_over_hosts(values: Mapping[str, float], op) -> dict[str, float]:
     if jax.process_count() == 1:
         return {k: float(v) for k, v in values.items()}
     keys = sorted(values)
-    total = _allgather(np.array([float(values[k]) for k in keys], np.float64)).sum(0)
-    return dict(zip(keys, map(float, total), strict=True))
+    every = _allgather(np.array([float(values[k]) for k in keys], np.float64))
+    return dict(zip(keys, map(float, op(every, axis=0)), strict=True))
+
+
+def sum_over_hosts(values: Mapping[str, float]) -> dict[str, float]:
+    """Sums each value over hosts (identity with one process)."""
+    return _reduce_over_hosts(values, np.sum)
 
 
 def max_over_hosts(values: Mapping[str, float]) -> dict[str, float]:
     """Maximum of each value over hosts (identity with one process)."""
-    if jax.process_count() == 1:
-        return {k: float(v) for k, v in values.items()}
-    keys = sorted(values)
-    top = _allgather(np.array([float(values[k]) for k in keys], np.float64)).max(0)
-    return dict(zip(keys, map(float, top), strict=True))
+    return _reduce_over_hosts(values, np.max)
 
 
 def gather_rows(x: np.ndarray) -> np.ndarray:

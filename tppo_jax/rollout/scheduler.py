@@ -27,6 +27,7 @@ from flax import nnx, serialization
 
 from tppo_jax.data.readers import MathExample
 from tppo_jax.parallel.multihost import check_batch_layout, host_to_global, tree_to_host
+from tppo_jax.rollout import pages as pg
 from tppo_jax.rollout.generate import SamplingParams, prefill, prefill_and_decode
 
 
@@ -98,8 +99,6 @@ def _prefill_rows(model, cache, tokens, total_len, rows):
 
 @jax.jit
 def _copy_tail(k, v, tail_src, tail_dst):
-    from tppo_jax.rollout import pages as pg
-
     return jax.vmap(pg.copy_pages, in_axes=(0, 0, None, None))(k, v, tail_src, tail_dst)
 
 
@@ -166,7 +165,6 @@ class TruncatedRolloutScheduler:
     def _new_cache(self):
         """An empty cache, laid out on the mesh (slots over the batch axes) when given one."""
         if self.kv_cache == "paged":
-            from tppo_jax.rollout import pages as pg
             from tppo_jax.rollout.paged_cache import PagedKVCache, init_pools
 
             c = self.model.config
@@ -188,8 +186,6 @@ class TruncatedRolloutScheduler:
         first row of each group is prefilled; the others take its full pages by reference
         (refcount) and a private copy of the partial last page. Returns the rows that are
         now prefilled (so the window's prefill skips them)."""
-        from tppo_jax.rollout import pages as pg
-
         st = self.state
         groups: dict[int, list[int]] = {}
         for r in np.flatnonzero(new_rows):
@@ -224,9 +220,8 @@ class TruncatedRolloutScheduler:
     def _reserve_pages(self, budget: np.ndarray, new_rows: np.ndarray) -> np.ndarray:
         """Paged mode: reserves this window's pages (continuations already hold theirs up to
         ``total_len - 1``). Returns rows that could not get pages (they sit out the window)."""
-        from tppo_jax.rollout import pages as pg
-
         st = self.state
+        stalled = np.zeros(self.B, bool)
         state = self.cache.pages
         want = np.where(st.live, st.total_len - 1 + budget, 0)
         held = np.asarray(state.slot_len)  # shared prompts already hold their prefix
@@ -234,11 +229,9 @@ class TruncatedRolloutScheduler:
         # Continuations first: reserve for them, then for the new rows in slot order.
         for group in (st.live & ~new_rows, new_rows):
             state, ok = pg.reserve(state, jnp.asarray(group), jnp.asarray(need.astype(np.int32)))
-            group_fail = group & ~np.asarray(ok)
-            if group_fail.any():
-                self._stalled |= group_fail
+            stalled |= group & ~np.asarray(ok)
         self.cache = self.cache.replace(pages=state)
-        return self._stalled
+        return stalled
 
     # ------------------------------------------------------------------ slot management
     def set_policy(self, model: nnx.Module, version: int) -> None:
@@ -254,8 +247,6 @@ class TruncatedRolloutScheduler:
         new_rows = np.zeros(self.B, bool)
         free_pages = None
         if self.kv_cache == "paged":
-            from tppo_jax.rollout import pages as pg
-
             held = np.asarray(pg.pages_held(self.cache.pages))
             grow = [self._pages_for(int(st.total_len[r]) - 1 + self.window) - int(held[r])
                     for r in np.flatnonzero(st.live)]
@@ -297,8 +288,6 @@ class TruncatedRolloutScheduler:
         finished = finished & self.state.live
         self.state.live &= ~finished
         if self.kv_cache == "paged" and finished.any():
-            from tppo_jax.rollout import pages as pg
-
             self.cache = self.cache.replace(pages=pg.free(self.cache.pages,
                                                           jnp.asarray(finished)))
         live_groups = set(self.state.group_id[self.state.live].tolist()) | set(self.pending)
@@ -312,13 +301,13 @@ class TruncatedRolloutScheduler:
         prefill_rows &= st.live
         self._force_prefill = False
         budget = np.minimum(self.window, st.prompt_len + self.L - st.total_len).astype(np.int32)
-        self._stalled = np.zeros(self.B, bool)
+        stalled = np.zeros(self.B, bool)
         if self.kv_cache == "paged":
             # Sharing needs the prompt's KV to stay fixed, so not with reprefill.
             if self.kv_policy == "keep" and self.G > 1:
                 prefill_rows &= ~self._share_prompts(new_rows)
-            self._reserve_pages(budget, new_rows)
-        active = st.live & ~self._stalled
+            stalled = self._reserve_pages(budget, new_rows)
+        active = st.live & ~stalled
         budget = np.where(active, budget, 0).astype(np.int32)
         put = self._put
         out, self.cache = prefill_and_decode(

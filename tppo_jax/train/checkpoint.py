@@ -55,10 +55,14 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.mngr.latest_step()
 
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a scheduled save (every ``every`` steps)."""
+        return self.every > 0 and step % self.every == 0
+
     def save(self, step: int, trees: dict[str, Any], meta: dict[str, Any], *,
              force: bool = False) -> bool:
         """Saves if due (or ``force``); never saves non-finite params (returns False)."""
-        if not force and (self.every <= 0 or step % self.every):
+        if not (force or self.due(step)):
             return False
         bad = [k for k in ("policy", "value") if not all_finite(trees[k])]
         if bad:

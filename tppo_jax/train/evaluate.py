@@ -38,7 +38,7 @@ def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[i
     for b in range(n_batches):
         lo = b * local_bs
         chunk = list(prompts[lo:lo + local_bs]) or [prompts[-1] if prompts else [0]]
-        n = min(len(prompts) - lo, local_bs) if lo < len(prompts) else 0
+        n = max(0, min(len(prompts) - lo, local_bs))  # real rows (a host may run out)
         chunk += [chunk[-1]] * (local_bs - len(chunk))  # fixed batch shape: no recompiles
         tokens = np.zeros((local_bs, s), np.int32)
         lens = np.zeros(local_bs, np.int32)

@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from tppo_jax import algo
 from tppo_jax.config import AlgoConfig, OptimConfig
 from tppo_jax.kernels.logprobs import token_logprobs
+from tppo_jax.parallel.mesh import logical_to_spec
 
 
 @dataclass(frozen=True)
@@ -245,10 +247,6 @@ def on_mesh(step, mesh, graphdef: Any, params: Any, opt_state: Any | None = None
 
     Returns ``f(params, opt_state, batch)`` (``f(params, batch)`` for ``rollout_targets``).
     """
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from tppo_jax.parallel.mesh import logical_to_spec
-
     rep = NamedSharding(mesh, PartitionSpec())
     batch = NamedSharding(mesh, logical_to_spec(("batch",)))  # a prefix: leading dim only
 

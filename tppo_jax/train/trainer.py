@@ -277,6 +277,14 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
         return {"policy": models.policy, "value": models.value, "policy_opt": opt_p,
                 "value_opt": opt_v, "slots": slots, "kv_cache": sched.cache_state()}
 
+    def ckpt_meta(step: int) -> dict[str, Any]:
+        # Each host's data iterator and scheduler state, gathered (process 0 writes it).
+        return {"step": step, "eval_before": before, "num_processes": jax.process_count(),
+                "hosts": mh.gather_json({
+                    "data_state": pipeline.state_json(),
+                    "scheduler": {k: v for k, v in sched.state_dict().items()
+                                  if k != "slots"}})}
+
     start, meta = 0, None
     if resume and ckpt.latest_step() is not None:
         step0 = ckpt.latest_step()
@@ -424,13 +432,10 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 and time.time() - t_start >= tc.time_budget_s})
             preempted = bool(flags["preempted"])
             stop = target_hit or bool(flags["time_up"])
-            meta = {"step": step + 1, "eval_before": before, "num_processes": jax.process_count(),
-                    "hosts": mh.gather_json({
-                        "data_state": pipeline.state_json(),
-                        "scheduler": {k: v for k, v in sched.state_dict().items()
-                                      if k != "slots"}})}
             is_last = step + 1 == cfg.train.steps or stop or preempted
-            if ckpt.save(step + 1, ckpt_trees(), meta, force=is_last) and primary:
+            # Built only for a save: the host-state gather and slot upload are not free.
+            if (is_last or ckpt.due(step + 1)) and ckpt.save(
+                    step + 1, ckpt_trees(), ckpt_meta(step + 1), force=True) and primary:
                 mirror(rd)
             if preempted:
                 log.warning("preempted: checkpoint saved at step %d", step + 1)
