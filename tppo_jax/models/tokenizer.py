@@ -31,6 +31,8 @@ class Tokenizer:
     Attributes:
       bos_id / eos_id / pad_id: special ids (``None`` when the vocab has no such token;
         ``pad_id`` falls back to ``eos_id`` so right padding always has a value).
+      eos_ids: every id that ends a generation (``eos_id`` first; instruct models add their
+        end-of-turn tokens). Decoding stops on any of them.
     """
 
     def __init__(self, backend: str, impl: object, bos_id: int | None, eos_id: int | None,
@@ -40,6 +42,7 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_id = eos_id
         self.pad_id = pad_id if pad_id is not None else eos_id
+        self.eos_ids: tuple[int, ...] = () if eos_id is None else (int(eos_id),)
 
     # ------------------------------------------------------------------ construction
     @classmethod
