@@ -7,7 +7,7 @@ import pytest
 
 from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.models.transformer import ModelConfig, create_model
-from tppo_jax.rollout.generate import SamplingParams
+from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 
 EOS = 1
@@ -20,7 +20,7 @@ def _scheduler(window, L=24, slots=6, group=2, kv="keep", seed=0, cache="dense",
     encode = lambda e: [2 + (ord(c) % 40) for c in e.question][:12]  # noqa: E731
     return TruncatedRolloutScheduler(
         model, examples, encode, slots=slots, group_size=group, max_prompt_len=12,
-        max_response_len=L, window=window, eos_id=EOS, sampling=SamplingParams(),
+        max_response_len=L, window=window, eos_ids=(EOS,), sampling=SamplingParams(),
         kv_policy=kv, seed=seed, kv_cache=cache, page_size=4, num_pages=pages)
 
 

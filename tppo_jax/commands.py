@@ -149,7 +149,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from tppo_jax.rewards.math import MathGrader
-    from tppo_jax.rollout.generate import SamplingParams
+    from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.train.evaluate import evaluate
     from tppo_jax.train.trainer import load_data
 

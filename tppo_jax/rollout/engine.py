@@ -1,23 +1,26 @@
-"""``TPPOEngine``: JetStream's ``Engine`` API over the paged KV cache, plus an RL fast path.
+"""``TPPOEngine``: JetStream's ``Engine`` API over the decode core, for every caller.
 
-Cache invariant (same as ``rollout.generate``): a live slot's pages hold positions
-``[0, slot_len)``; its last token ``next_token`` (at position ``slot_len``) is not fed yet.
-Each decode step feeds it, samples the following token and makes that the new pending one.
-So ``prefill`` caches ``true_length - 1`` prompt tokens and every emitted token comes from
-``generate`` / ``generate_window`` together with its log-prob and policy version.
+Training windows (``rollout.scheduler``), the held-out eval (``eval.heldout``) and
+``tppo serve`` (JetStream's orchestrator) all decode through this one engine, and the engine
+decodes only through ``rollout.decode`` (prefill + the window loop + sampling + the RNG
+rule). JetStream's ``generate`` is a window of one token; ``generate_window`` is the
+truncated-rollout window (up to ``l`` tokens per slot in one jitted loop).
 
-Pages are taken on demand: ``insert`` reserves the prompt's pages (refusing, never
-overwriting, when the pool is short), a decode step reserves a page only when a slot crosses
-a page boundary, and slots that finish (EOS or ``max_target_length``) free their pages at
-once. Sampling streams are per sequence: token ``n`` of the sequence with id ``seq_id`` uses
-``fold_in(fold_in(rng, n), seq_id)``, so results do not depend on batch composition.
+The cache is dense (one row per slot; works across hosts) or paged (one shared pool;
+``rollout.kv_slots`` owns page budgets, prompt sharing and freeing). Cache invariant: see
+``rollout.decode`` -- a live slot has ``[0, position)`` cached and ``next_token`` pending.
+
+Beyond JetStream's API, callers that keep their own host state (the scheduler, the eval)
+use the batched operations: ``sync`` (set the per-slot vectors), ``prefill_slots`` (prefill
+many rows straight into their slots), ``share_prompt``, ``generate_window`` and
+``free_slots``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,17 +33,9 @@ import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import; qu
 # isort: split
 from jetstream.engine import engine_api, tokenizer_pb2
 
-from tppo_jax.models.tokenizer import Tokenizer
+from tppo_jax.rollout import kv_slots
 from tppo_jax.rollout import pages as pg
-from tppo_jax.rollout.generate import SamplingParams
-from tppo_jax.rollout.paged_cache import (
-    DecodeState,
-    PagedKVCache,
-    Prefix,
-    WindowResult,
-    init_pools,
-)
-from tppo_jax.rollout.sampling import sample
+from tppo_jax.rollout.decode import SamplingParams, decode_window, prefill
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +53,50 @@ class EngineParams:
 
     state: Any
     version: Array  # () int32
+
+
+@struct.dataclass
+class Prefix:
+    """A prefilled prompt (batch 1). k/v: ``[L, P, Hkv, D]``; length: () tokens cached
+    (``true_length - 1``); next_token: () the prompt's last token, fed by the first step."""
+
+    k: Array
+    v: Array
+    length: Array
+    next_token: Array
+
+
+@struct.dataclass
+class DecodeState:
+    """Everything a decode step transforms; ``S`` slots.
+
+    cache: ``DenseKVCache`` or ``PagedKVCache``; next_token / position / generated: ``[S]``
+    int32 (pending token, its position = tokens cached, response tokens so far); seq_id:
+    ``[S]`` uint32 (RNG stream); live: ``[S]`` bool; rng: the engine's PRNG key.
+    """
+
+    cache: Any
+    next_token: Array
+    position: Array
+    generated: Array
+    seq_id: Array
+    live: Array
+    rng: Array
+
+
+class WindowResult(NamedTuple):
+    """One ``generate_window`` call. tokens/logprobs: ``[S, W]`` (0 after count); count:
+    ``[S]``; hit_eos / finished (EOS or the slot is full; its pages freed) / stalled (no pages
+    this window; still live): ``[S]`` bool; version, steps: () int32."""
+
+    tokens: Array
+    logprobs: Array
+    count: Array
+    hit_eos: Array
+    finished: Array
+    stalled: Array
+    version: Array
+    steps: Array
 
 
 @struct.dataclass
@@ -81,60 +120,61 @@ class TPPOResultTokens(engine_api.ResultTokens):
         return np.asarray(self.data[:, self.version_idx[0]:self.version_idx[1]])
 
 
-def _row_keys(rng: Array, steps: Array, seq_id: Array) -> Array:
-    """[S] keys fold_in(fold_in(rng, step_s), seq_id_s) (the ``sampling.slot_keys`` rule,
-    with a per-row step = tokens the sequence already generated)."""
-    one = lambda n, i: jax.random.fold_in(jax.random.fold_in(rng, n), i)  # noqa: E731
-    return jax.vmap(one)(steps.astype(jnp.uint32), seq_id.astype(jnp.uint32))
-
-
 class TPPOEngine(engine_api.Engine):
-    """Continuous-batching engine over ``max_slots`` slots of a shared page pool.
+    """Continuous batching over ``max_slots`` slots.
 
     Args:
-      model: the policy ``Transformer`` (its weights are the version-1 params).
+      model: the policy ``Transformer`` (``load_params()`` with no argument serves it).
       tokenizer: ``models.tokenizer.Tokenizer``; tokenizer_path: reported to JetStream.
-      max_slots: concurrent sequences S; page_size: tokens per page.
-      max_target_length: prompt + generated tokens per slot (page-table width).
-      num_pages: pool size N (default: every slot at full length, i.e. no oversubscription).
-      max_prefill_length: prefill bucket cap; one of JetStream's buckets (16, 32, ... 32768).
-      sampling: static ``SamplingParams``; eos_id: default ``tokenizer.eos_id``.
+      max_slots: concurrent sequences S (global over hosts for a dense cache on a mesh).
+      max_target_length: prompt + generated positions per slot.
+      kv_cache: ``paged`` (page_size, num_pages: 0 = every slot at full length) or ``dense``.
+      max_prefill_length: JetStream prefill bucket cap (16, 32, ... 32768).
+      sampling: static ``SamplingParams``; eos_ids: stop tokens (default ``tokenizer.eos_ids``).
+      mesh: lay a dense cache out on it (slots over the batch axes).
       strict_insert: ``insert`` raises ``PoolExhaustedError`` when pages run out; False (the
         server) logs and leaves the slot empty, so JetStream ends that request with no tokens.
     """
 
-    def __init__(self, model: nnx.Module, tokenizer: Tokenizer, *, max_slots: int = 8,
-                 page_size: int = 16, max_target_length: int = 512, num_pages: int | None = None,
-                 max_prefill_length: int = 128, sampling: SamplingParams | None = None,
-                 eos_id: int | None = None, seed: int = 0, mesh: Mesh | None = None,
-                 attn_impl: str = "auto", tokenizer_path: str = "",
-                 strict_insert: bool = True) -> None:
+    def __init__(self, model: nnx.Module, tokenizer: Any, *, max_slots: int = 8,
+                 max_target_length: int = 512, kv_cache: str = "paged", page_size: int = 16,
+                 num_pages: int = 0, max_prefill_length: int = 128,
+                 sampling: SamplingParams | None = None, eos_ids: Sequence[int] | None = None,
+                 seed: int = 0, mesh: Mesh | None = None, attn_impl: str = "auto",
+                 tokenizer_path: str = "", strict_insert: bool = True) -> None:
         if max_prefill_length not in PREFILL_BUCKETS:
             raise ValueError(f"max_prefill_length must be one of {PREFILL_BUCKETS}")
         if max_prefill_length > max_target_length:
             raise ValueError("max_prefill_length must not exceed max_target_length")
+        if kv_cache not in ("paged", "dense"):
+            raise ValueError(f"kv_cache must be 'paged' or 'dense', got {kv_cache!r}")
         self.config = model.config
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path
         self.sampling = sampling or SamplingParams()
-        self.eos_id = int(tokenizer.eos_id if eos_id is None else eos_id)
+        ids = tokenizer.eos_ids if eos_ids is None else eos_ids
+        self.eos_ids = tuple(int(i) for i in ids)
+        self.kv_cache = kv_cache
         self.page_size = page_size
-        self.max_pages_per_slot = -(-max_target_length // page_size)
-        self.max_target_length = self.max_pages_per_slot * page_size
-        self.num_pages = num_pages or max_slots * self.max_pages_per_slot
+        if kv_cache == "paged":
+            max_target_length = -(-max_target_length // page_size) * page_size
+        self.max_target_length = max_target_length
+        self.num_pages = num_pages or max_slots * (max_target_length // page_size)
         self.strict_insert = strict_insert
         self._slots, self._prefill_len, self._seed, self._impl = (
             max_slots, max_prefill_length, seed, attn_impl)
+        self._cache_mesh = mesh
         self._mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), ("data",))
         self._graphdef, self._init_state = nnx.split(model)
         self.version = 0
         self._next_seq = 0
         self._prefill_fn = jax.jit(self._prefill_impl)
-        self._insert_fn = jax.jit(self._insert_impl)
-        self._share_fn = jax.jit(self._share_impl)
-        self._generate_fn = jax.jit(self._generate_impl, donate_argnums=0)
+        self._insert_fn = jax.jit(self._insert_impl, donate_argnums=0)
+        self._prefill_slots_fn = jax.jit(self._prefill_slots_impl, donate_argnums=1)
+        self._share_fn = jax.jit(self._share_impl, donate_argnums=0)
         self._window_fn = jax.jit(self._window_impl, static_argnums=2, donate_argnums=0)
-        self._free_fn = jax.jit(lambda ds, m: ds.replace(pages=pg.free(ds.pages, m),
+        self._generate_fn = jax.jit(self._generate_impl, donate_argnums=0)
+        self._free_fn = jax.jit(lambda ds, m: ds.replace(cache=kv_slots.free(ds.cache, m),
                                                          live=ds.live & ~m))
 
     # ------------------------------------------------------------------ Engine properties
@@ -160,11 +200,11 @@ class TPPOEngine(engine_api.Engine):
 
     @property
     def pages_total(self) -> int:
-        return self.num_pages
+        return self.num_pages if self.kv_cache == "paged" else 0
 
     def pages_in_use(self, decode_state: DecodeState) -> int:
         """Pages with refcount > 0 (a shared prompt page counts once)."""
-        return self.num_pages - int(pg.num_free_pages(decode_state.pages))
+        return kv_slots.pages_in_use(decode_state.cache)
 
     def get_prefix_destination_sharding(self) -> NamedSharding:
         return NamedSharding(self._mesh, PartitionSpec())
@@ -173,46 +213,53 @@ class TPPOEngine(engine_api.Engine):
         return tokenizer_pb2.TokenizerParameters(path=self.tokenizer_path)
 
     def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> Any:
-        """A ``server.JetStreamTokenizer`` over our tokenizer, stopping on ``eos_id``."""
+        """A ``server.JetStreamTokenizer`` over our tokenizer, stopping on ``eos_ids``."""
         from tppo_jax.rollout.server import JetStreamTokenizer
 
-        return JetStreamTokenizer(self.tokenizer, self.eos_id)
+        return JetStreamTokenizer(self.tokenizer, self.eos_ids)
 
     # ------------------------------------------------------------------ params / state
-    def load_params(self, model: nnx.Module | Any = None, *args: Any, **kwargs: Any
-                    ) -> EngineParams:
-        """New policy weights (a module, an ``nnx.State``, or None = the initial model);
-        each call increments the policy version recorded with sampled tokens."""
+    def load_params(self, model: nnx.Module | Any = None, *args: Any,
+                    version: int | None = None, **kwargs: Any) -> EngineParams:
+        """New policy weights (a module, an ``nnx.State``, or None = the initial model),
+        recorded with every token they sample as ``version`` (default: one more than the
+        previous call's)."""
         if model is None:
             state = self._init_state
         elif isinstance(model, nnx.Module):
             state = nnx.state(model)
         else:
             state = model
-        self.version += 1
+        self.version = self.version + 1 if version is None else int(version)
         return EngineParams(state=state, version=jnp.int32(self.version))
 
     def init_decode_state(self, *args: Any, **kwargs: Any) -> DecodeState:
-        c, s = self.config, self._slots
-        k, v = init_pools(c.num_layers, c.num_kv_heads, self.num_pages, self.page_size,
-                          c.head_dim, c.jnp_dtype)
-        return DecodeState(
-            pages=pg.init(self.num_pages, s, self.max_pages_per_slot, self.page_size),
-            k=k, v=v, next_token=jnp.zeros(s, jnp.int32), live=jnp.zeros(s, bool),
-            generated=jnp.zeros(s, jnp.int32), seq_id=jnp.zeros(s, jnp.uint32),
-            rng=jax.random.PRNGKey(self._seed))
+        s = self._slots
+        cache = kv_slots.new_cache(self.config, s, self.max_target_length, kind=self.kv_cache,
+                                   page_size=self.page_size, num_pages=self.num_pages,
+                                   mesh=self._cache_mesh, attn_impl=self._impl)
+        zeros = jnp.zeros(s, jnp.int32)
+        return DecodeState(cache=cache, next_token=zeros, position=zeros, generated=zeros,
+                           seq_id=jnp.zeros(s, jnp.uint32), live=jnp.zeros(s, bool),
+                           rng=jax.random.PRNGKey(self._seed))
 
     def _model(self, params: EngineParams) -> nnx.Module:
         return nnx.merge(self._graphdef, params.state)
+
+    def sync(self, ds: DecodeState, *, next_token: Array, position: Array, generated: Array,
+             seq_id: Array, live: Array) -> DecodeState:
+        """Sets the per-slot vectors from a caller's own bookkeeping (the scheduler's host
+        state is the source of truth for which slot holds what)."""
+        return ds.replace(next_token=next_token, position=position, generated=generated,
+                          seq_id=seq_id, live=live)
 
     # ------------------------------------------------------------------ prefill / insert
     def _prefill_impl(self, params: EngineParams, tokens: Array, true_length: Array) -> Prefix:
         model = self._model(params)
         p = tokens.shape[0]
+        cache = prefill(model, model.init_cache(1, p), tokens[None].astype(jnp.int32),
+                        true_length[None], jnp.ones(1, bool))
         n = jnp.clip(true_length - 1, 0, p - 1)
-        pos = jnp.arange(p, dtype=jnp.int32)[None]
-        _, cache = model.forward_with_cache(tokens[None].astype(jnp.int32), pos,
-                                            model.init_cache(1, p), valid=pos < n)
         return Prefix(k=cache.k[:, 0], v=cache.v[:, 0], length=n,
                       next_token=tokens[n].astype(jnp.int32))
 
@@ -228,19 +275,13 @@ class TPPOEngine(engine_api.Engine):
     def _insert_impl(self, ds: DecodeState, prefix: Prefix, slot: Array, seq_id: Array
                      ) -> tuple[DecodeState, Array]:
         mask = jnp.arange(self._slots) == slot
-        pages = pg.free(ds.pages, mask)  # JetStream reuses a slot without telling us
-        pages, ok = pg.reserve(pages, mask, jnp.where(mask, prefix.length, 0))
+        cache = kv_slots.free(ds.cache, mask)  # JetStream reuses a slot without telling us
+        cache, ok = kv_slots.reserve(cache, mask, jnp.where(mask, prefix.length, 0))
         ok = ok[slot]
-        p = prefix.k.shape[1]
-        pos = jnp.arange(p, dtype=jnp.int32)[None]
-        valid = (pos < prefix.length) & ok
-        write = lambda kl, vl, pk, pv: pg.write_kv(kl, vl, pages, slot[None], pos, pk[None],  # noqa: E731
-                                                   pv[None], valid)
-        k, v = jax.vmap(write)(ds.k, ds.v, prefix.k.astype(ds.k.dtype),
-                               prefix.v.astype(ds.v.dtype))
-        pages = pg.advance(pages, mask & ok, prefix.length)
+        cache = _write_prefix(cache, prefix, slot, ok)
         at = lambda x, val: x.at[slot].set(val)  # noqa: E731
-        return ds.replace(pages=pages, k=k, v=v, next_token=at(ds.next_token, prefix.next_token),
+        return ds.replace(cache=cache, next_token=at(ds.next_token, prefix.next_token),
+                          position=at(ds.position, jnp.where(ok, prefix.length, 0)),
                           live=at(ds.live, ok), generated=at(ds.generated, 0),
                           seq_id=at(ds.seq_id, seq_id)), ok
 
@@ -262,7 +303,7 @@ class TPPOEngine(engine_api.Engine):
         ds, ok = self.try_insert(prefix, decode_state, slot, seq_id=seq_id)
         if ok:
             return ds
-        need = int(pg.pages_needed(prefix.length, self.page_size))
+        need = kv_slots.pages_for(int(prefix.length), self.page_size)
         msg = (f"KV page pool exhausted: slot {slot} needs {need} pages, "
                f"{self.num_pages - self.pages_in_use(ds)} free of {self.num_pages}")
         if self.strict_insert:
@@ -270,22 +311,47 @@ class TPPOEngine(engine_api.Engine):
         log.warning("%s; request dropped", msg)
         return ds
 
+    def _prefill_slots_impl(self, params: EngineParams, ds: DecodeState, tokens: Array,
+                            lengths: Array, rows: Array) -> tuple[DecodeState, Array]:
+        cache, ok = kv_slots.reserve(ds.cache, rows, jnp.where(rows, lengths - 1, 0))
+        rows = rows & ok
+        cache = prefill(self._model(params), cache, tokens, lengths, rows)
+        last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+        return ds.replace(cache=cache, next_token=jnp.where(rows, last, ds.next_token),
+                          position=jnp.where(rows, lengths - 1, ds.position)), ok
+
+    def prefill_slots(self, params: EngineParams, decode_state: DecodeState, tokens: Array,
+                      lengths: Array, rows: Array) -> tuple[DecodeState, Array]:
+        """Batched prefill straight into the slots: row ``r`` of ``tokens [S, T]`` (its first
+        ``lengths[r]`` tokens) becomes slot ``r``'s cache for the ``rows`` mask (new prompts,
+        or continuations re-prefilled under new weights). Returns ``(state, ok [S])``; a paged
+        slot that got no pages is left untouched. ``decode_state`` is donated."""
+        return self._prefill_slots_fn(params, decode_state, tokens, lengths, rows)
+
     def _share_impl(self, ds: DecodeState, src: Array, dst: Array, seq_ids: Array
                     ) -> tuple[DecodeState, Array]:
-        pages = pg.free(ds.pages, dst)
-        pages, ok, tsrc, tdst = pg.share_prefix(pages, src, dst)
-        k, v = jax.vmap(lambda kl, vl: pg.copy_pages(kl, vl, tsrc, tdst))(ds.k, ds.v)
+        cache = kv_slots.free(ds.cache, dst)
+        cache, ok = kv_slots.share_prompt(cache, src, dst)
         got = dst & ok
         return ds.replace(
-            pages=pages, k=k, v=v, live=jnp.where(dst, got, ds.live),
+            cache=cache, live=jnp.where(dst, got, ds.live),
             next_token=jnp.where(got, ds.next_token[src], ds.next_token),
+            position=jnp.where(got, ds.position[src], ds.position),
             generated=jnp.where(got, 0, ds.generated),
             seq_id=jnp.where(got, seq_ids, ds.seq_id)), ok
 
+    def share_prompt(self, decode_state: DecodeState, src: int, dst: np.ndarray,
+                     seq_ids: np.ndarray) -> tuple[DecodeState, np.ndarray]:
+        """Paged: the slots in ``dst [S]`` take slot ``src``'s prompt (full pages shared, the
+        tail page copied). Returns ``(state, ok [S])``. ``decode_state`` is donated."""
+        ds, ok = self._share_fn(decode_state, jnp.int32(src), jnp.asarray(dst),
+                                jnp.asarray(seq_ids, jnp.uint32))
+        return ds, np.asarray(ok)
+
     def insert_group(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]
                      ) -> tuple[DecodeState, np.ndarray]:
-        """G samples of one prompt: prefix pages written once into ``slots[0]``, full pages
-        shared by the others (tail page copied). Returns ``(state, ok [G] bool)``."""
+        """G samples of one prompt: prefix written once into ``slots[0]``, full pages shared
+        by the others (tail page copied). Returns ``(state, ok [G] bool)``."""
         ds, ok0 = self.try_insert(prefix, decode_state, slots[0])
         if not ok0 or len(slots) == 1:
             return ds, np.array([ok0] + [False] * (len(slots) - 1))
@@ -294,93 +360,88 @@ class TPPOEngine(engine_api.Engine):
         ids = np.zeros(self._slots, np.uint32)
         ids[list(slots[1:])] = np.arange(self._next_seq, self._next_seq + len(slots) - 1)
         self._next_seq += len(slots) - 1
-        ds, ok = self._share_fn(ds, jnp.int32(slots[0]), jnp.asarray(dst), jnp.asarray(ids))
-        return ds, np.concatenate([[True], np.asarray(ok)[list(slots[1:])]])
+        ds, ok = self.share_prompt(ds, slots[0], dst, ids)
+        return ds, np.concatenate([[True], ok[list(slots[1:])]])
 
-    def free_slots(self, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
-        """Ends the sequences in ``slots`` and returns their pages to the pool."""
-        return self._free_fn(decode_state, pg.slots_to_mask(jnp.asarray(slots), self._slots))
+    def free_slots(self, decode_state: DecodeState, slots: Sequence[int] | np.ndarray
+                   ) -> DecodeState:
+        """Ends the sequences in ``slots`` (ids, or an ``[S]`` mask) and frees their pages."""
+        mask = np.asarray(slots)
+        if mask.dtype != bool:
+            mask = np.isin(np.arange(self._slots), mask)
+        return self._free_fn(decode_state, jnp.asarray(mask))
 
     # ------------------------------------------------------------------ decode
-    def _decode_once(self, model: nnx.Module, ds: DecodeState, run: Array
-                     ) -> tuple[DecodeState, Array, Array]:
-        """Feeds ``next_token`` of the ``run`` rows (pages already reserved) and samples."""
-        s = self._slots
-        cache = PagedKVCache(ds.pages, ds.k, ds.v, jnp.arange(s, dtype=jnp.int32), self._impl)
-        pos = ds.pages.slot_len
-        logits, cache = model.forward_with_cache(ds.next_token[:, None], pos[:, None], cache,
-                                                 valid=run[:, None])
-        sp = self.sampling
-        # None switches truncation off at trace time (no [S, V] sort).
-        tok, lp = sample(logits[:, 0], _row_keys(ds.rng, ds.generated, ds.seq_id),
-                         temperature=sp.temperature,
-                         top_p=sp.top_p if sp.top_p < 1.0 else None,
-                         top_k=sp.top_k if sp.top_k > 0 else None, greedy=sp.greedy)
-        ds = ds.replace(pages=cache.pages, k=cache.k, v=cache.v,
-                        next_token=jnp.where(run, tok, ds.next_token),
-                        generated=ds.generated + run.astype(jnp.int32))
-        return ds, tok, lp
+    def _window_impl(self, ds: DecodeState, params: EngineParams, num_steps: int,
+                     budget: Array, first: Array) -> tuple[DecodeState, WindowResult]:
+        room = jnp.clip(self.max_target_length - ds.position, 0, num_steps)
+        n = jnp.minimum(budget, room)
+        want = ds.live & (n > 0)
+        cache, ok = kv_slots.reserve_window(ds.cache, ds.position + n, want & first,
+                                            want & ~first)
+        n = jnp.where(want & ok, n, 0)
+        out, cache = decode_window(self._model(params), cache, ds.next_token, ds.position,
+                                   ds.generated, ds.seq_id, n, ds.rng, window=num_steps,
+                                   eos_ids=self.eos_ids, params=self.sampling)
+        last = jnp.take_along_axis(out.tokens, jnp.maximum(out.count - 1, 0)[:, None], 1)[:, 0]
+        position = ds.position + out.count
+        finished = ds.live & (out.hit_eos | (position >= self.max_target_length))
+        ds = ds.replace(cache=kv_slots.free(cache, finished), live=ds.live & ~finished,
+                        next_token=jnp.where(out.count > 0, last, ds.next_token),
+                        position=position, generated=ds.generated + out.count)
+        return ds, WindowResult(out.tokens, out.logprobs, out.count, out.hit_eos, finished,
+                                want & ~ok, params.version, out.steps)
 
-    def _finish(self, ds: DecodeState, done: Array) -> DecodeState:
-        """Done slots stop and give their pages back immediately."""
-        return ds.replace(live=ds.live & ~done, pages=pg.free(ds.pages, done))
+    def generate_window(self, decode_state: DecodeState, params: EngineParams, num_steps: int,
+                        budget: Array | None = None, first: Array | None = None
+                        ) -> tuple[DecodeState, WindowResult]:
+        """Up to ``num_steps`` tokens per live slot (``budget [S]`` caps each) in one jitted
+        loop that stops early once every slot is done. Pages for the window are reserved up
+        front, ``first [S]`` slots (continuations) before the others; a slot that cannot get
+        them is ``stalled`` (kept, not run). ``decode_state`` is donated."""
+        s = self._slots
+        budget = jnp.full(s, num_steps, jnp.int32) if budget is None else budget
+        first = jnp.zeros(s, bool) if first is None else first
+        return self._window_fn(decode_state, params, int(num_steps), budget, first)
 
     def _generate_impl(self, ds: DecodeState, params: EngineParams
                        ) -> tuple[DecodeState, Array]:
-        room = ds.live & (ds.pages.slot_len < self.max_target_length)
-        pages, ok = pg.reserve(ds.pages, room, 1)
-        run = room & ok
-        ds, tok, lp = self._decode_once(self._model(params), ds.replace(pages=pages), run)
-        eos = run & (tok == self.eos_id)
-        # No page left (or no room): the slot ends with an invalid token, so the server closes
-        # the request instead of stalling every slot behind it.
-        done = eos | (ds.live & ~run) | (ds.pages.slot_len >= self.max_target_length)
-        data = jnp.stack([jnp.where(run, tok, 0), run.astype(jnp.int32), ds.generated,
-                          jax.lax.bitcast_convert_type(lp.astype(jnp.float32), jnp.int32),
+        s = self._slots
+        ds, res = self._window_impl(ds, params, 1, jnp.ones(s, jnp.int32), jnp.zeros(s, bool))
+        # No page left: the slot ends (invalid token) so the server closes the request
+        # instead of stalling every slot behind it.
+        ds = ds.replace(cache=kv_slots.free(ds.cache, res.stalled), live=ds.live & ~res.stalled)
+        run = res.count > 0
+        data = jnp.stack([res.tokens[:, 0], run.astype(jnp.int32), ds.generated,
+                          jax.lax.bitcast_convert_type(res.logprobs[:, 0], jnp.int32),
                           jnp.broadcast_to(params.version, run.shape)], axis=1)
-        return self._finish(ds, done), data
+        return ds, data
 
     def generate(self, params: EngineParams, decode_state: DecodeState
                  ) -> tuple[DecodeState, TPPOResultTokens]:
-        """One token for every live slot. ``decode_state`` is donated (do not reuse it)."""
+        """One token for every live slot: a window of 1 through the same decode core.
+        ``decode_state`` is donated (do not reuse it)."""
         ds, data = self._generate_fn(decode_state, params)
         return ds, TPPOResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2),
                                     length_idx=(2, 3), samples_per_slot=1)
 
-    def _window_impl(self, ds: DecodeState, params: EngineParams, num_steps: int
-                     ) -> tuple[DecodeState, WindowResult]:
-        s, w = self._slots, num_steps
-        cap = jnp.clip(self.max_target_length - ds.pages.slot_len, 0, w)
-        want = ds.live & (cap > 0)
-        pages, ok = pg.reserve(ds.pages, want, jnp.where(want, cap, 0))
-        budget = jnp.where(want & ok, cap, 0)
-        model = self._model(params)
 
-        def cond(c):
-            i, _, count, done, _, _ = c
-            return (i < w) & jnp.any(~done & (count < budget))
+def _write_prefix(cache: Any, prefix: Prefix, slot: Array, ok: Array) -> Any:
+    """Writes a ``Prefix``'s k/v (its first ``length`` positions) into ``slot`` when ``ok``."""
+    p = prefix.k.shape[1]
+    pos = jnp.arange(p, dtype=jnp.int32)[None]
+    valid = (pos < prefix.length) & ok
+    if kv_slots.is_paged(cache):
+        def write(kl, vl, pk, pv):
+            return pg.write_kv(kl, vl, cache.pages, slot[None], pos, pk[None], pv[None], valid)
 
-        def body(c):
-            i, d, count, done, toks, lps = c
-            run = ~done & (count < budget)
-            d, tok, lp = self._decode_once(model, d, run)
-            idx = jnp.where(run, count, w)  # out of range -> dropped
-            toks = toks.at[jnp.arange(s), idx].set(tok, mode="drop")
-            lps = lps.at[jnp.arange(s), idx].set(lp, mode="drop")
-            return (i + 1, d, count + run.astype(jnp.int32), done | (run & (tok == self.eos_id)),
-                    toks, lps)
-
-        init = (jnp.int32(0), ds.replace(pages=pages), jnp.zeros(s, jnp.int32),
-                jnp.zeros(s, bool), jnp.zeros((s, w), jnp.int32), jnp.zeros((s, w), jnp.float32))
-        steps, ds, count, eos, toks, lps = jax.lax.while_loop(cond, body, init)
-        finished = ds.live & (eos | (ds.pages.slot_len >= self.max_target_length))
-        stalled = want & ~ok
-        return self._finish(ds, finished), WindowResult(toks, lps, count, eos, finished,
-                                                        stalled, params.version, steps)
-
-    def generate_window(self, decode_state: DecodeState, params: EngineParams, num_steps: int
-                        ) -> tuple[DecodeState, WindowResult]:
-        """Up to ``num_steps`` tokens per live slot in one jitted ``lax.while_loop`` (stops
-        early once every slot is done). Pages for the whole window are reserved up front; a
-        slot that cannot get them is ``stalled`` (kept, not run). ``decode_state`` is donated."""
-        return self._window_fn(decode_state, params, int(num_steps))
+        k, v = jax.vmap(write)(cache.k, cache.v, prefix.k.astype(cache.k.dtype),
+                               prefix.v.astype(cache.v.dtype))
+        slot_len = cache.pages.slot_len.at[slot].set(jnp.where(ok, prefix.length, 0))
+        return cache.replace(pages=cache.pages.replace(slot_len=slot_len), k=k, v=v)
+    keep = valid[0][None, :, None, None]
+    k_row = jnp.where(keep, prefix.k.astype(cache.k.dtype), cache.k[:, slot, :p])
+    v_row = jnp.where(keep, prefix.v.astype(cache.v.dtype), cache.v[:, slot, :p])
+    return cache.replace(k=cache.k.at[:, slot, :p].set(k_row),
+                         v=cache.v.at[:, slot, :p].set(v_row),
+                         lengths=cache.lengths.at[slot].set(jnp.where(ok, prefix.length, 0)))

@@ -11,14 +11,9 @@ each layer call raises ``slot_len`` to cover the positions written (an idempoten
 calling it once per layer is harmless).
 
 Pool layout: ``k, v [L, Hkv, num_pages, page_size, D]`` (layer-major, then the kernel layout).
-
-Also the containers the engine (``rollout.engine``) moves around: ``Prefix`` (one prefilled
-prompt), ``DecodeState`` (pool + per-slot decode state) and ``WindowResult``.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -84,73 +79,3 @@ class PagedKVCache:
         new = self.replace(pages=pages, k=self.k.at[layer_idx].set(kp),
                            v=self.v.at[layer_idx].set(vp))
         return out.astype(q.dtype), new
-
-
-def prefill_into_slots(model, pages: pg.PageState, k: Array, v: Array, tokens: Array,
-                       num_tokens: Array, slots: Array, *, impl: str = "auto"
-                       ) -> tuple[pg.PageState, Array, Array, Array, Array]:
-    """Reserves pages and writes ``tokens[:, :num_tokens]`` of each row into its (empty) slot.
-
-    Args:
-      model: ``Transformer`` (anything with ``forward_with_cache``).
-      tokens: ``[B, T]`` right-padded tokens; num_tokens: ``[B]`` tokens to cache per row
-        (0 = skip the row); slots: ``[B]`` distinct target slots.
-    Returns:
-      ``(pages, k, v, logits [B, T, V], ok [B])``; rows that did not get pages (``ok`` False)
-      are left untouched (their writes have no page and are dropped).
-    """
-    b, t = tokens.shape
-    num_tokens = num_tokens.astype(jnp.int32)
-    mask = pg.slots_to_mask(jnp.where(num_tokens > 0, slots, -1), pages.num_slots)
-    per_slot = jnp.zeros((pages.num_slots,), jnp.int32).at[slots].set(num_tokens)
-    pages, ok_slot = pg.reserve(pages, mask, per_slot)
-    ok = ok_slot[slots]
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    valid = (positions < num_tokens[:, None]) & ok[:, None]
-    cache = PagedKVCache(pages, k, v, slots.astype(jnp.int32), impl=impl)
-    logits, cache = model.forward_with_cache(tokens, positions, cache, valid=valid)
-    return cache.pages, cache.k, cache.v, logits, ok
-
-
-@struct.dataclass
-class Prefix:
-    """A prefilled prompt (batch 1). k/v: ``[L, P, Hkv, D]``; length: () tokens cached
-    (``true_length - 1``); next_token: () the prompt's last token, fed by the first step."""
-
-    k: Array
-    v: Array
-    length: Array
-    next_token: Array
-
-
-@struct.dataclass
-class DecodeState:
-    """Everything a decode step transforms. ``S`` slots, pools ``[L, Hkv, N, page_size, D]``.
-
-    next_token/generated: ``[S]`` int32; live: ``[S]`` bool; seq_id: ``[S]`` uint32 (RNG
-    stream per sequence); rng: raw ``uint32[2]`` key.
-    """
-
-    pages: pg.PageState
-    k: Array
-    v: Array
-    next_token: Array
-    live: Array
-    generated: Array
-    seq_id: Array
-    rng: Array
-
-
-class WindowResult(NamedTuple):
-    """One ``generate_window`` call. tokens/logprobs: ``[S, W]`` (right-padded after count);
-    count: ``[S]``; hit_eos / finished (EOS or length cap; pages freed) / stalled (no pages
-    this window; still live): ``[S]`` bool; version, steps: () int32."""
-
-    tokens: Array
-    logprobs: Array
-    count: Array
-    hit_eos: Array
-    finished: Array
-    stalled: Array
-    version: Array
-    steps: Array

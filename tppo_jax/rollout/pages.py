@@ -32,7 +32,6 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 Array = jax.Array
@@ -96,12 +95,6 @@ def _free_page_list(state: PageState) -> Array:
     """[N] int32: ids of free pages in ascending order, padded with -1."""
     (ids,) = jnp.nonzero(state.refcount == 0, size=state.num_pages, fill_value=-1)
     return ids.astype(jnp.int32)
-
-
-def extra_pages_needed(state: PageState, slot_mask: Array, num_tokens: Array | int) -> Array:
-    """[S] int32: new pages each masked slot needs to store `num_tokens` more tokens."""
-    want = pages_needed(state.slot_len + num_tokens, state.page_size)
-    return jnp.where(slot_mask, jnp.maximum(want - pages_held(state), 0), 0)
 
 
 def reserve(state: PageState, slot_mask: Array, num_tokens: Array | int) -> tuple[PageState, Array]:
@@ -299,24 +292,3 @@ def attention_inputs(state: PageState, slots: Array) -> tuple[Array, Array]:
     """
     table = state.page_table[slots]
     return jnp.maximum(table, 0), state.slot_len[slots]
-
-
-# ---------------------------------------------------------------- host-side scheduler helpers
-
-
-def group_pages_needed(prompt_len: int, group_size: int, new_tokens: int, page_size: int) -> int:
-    """Pages for one prompt prefilled once and decoded `new_tokens` more by `group_size` samples.
-
-    Full prompt pages are shared; each sample holds its own tail + generated pages.
-    """
-    full = prompt_len // page_size
-    own = -(-(prompt_len + new_tokens) // page_size) - full
-    return full + group_size * own
-
-
-def max_admissible(free_pages: int, pages_per_request: Sequence[int]) -> int:
-    """How many requests, taken in order, fit into `free_pages` pages (host-side, numpy)."""
-    if len(pages_per_request) == 0:
-        return 0
-    cum = np.cumsum(np.asarray(pages_per_request, np.int64))
-    return int(np.searchsorted(cum, free_pages, side="right"))

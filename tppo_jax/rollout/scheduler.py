@@ -3,7 +3,8 @@
 Each ``step()``:
 1. fills empty slots with fresh prompts, G samples per prompt (continuations never
    leave their slot, so they are "first" by construction);
-2. generates at most ``window`` new tokens in every slot (one jitted on-device call);
+2. generates at most ``window`` new tokens in every slot through the JetStream engine
+   (``rollout.engine.TPPOEngine``: batched prefill into slots, then one jitted window);
 3. marks rows finished (EOS, or the K-th window full, i.e. ``L`` response tokens);
 4. returns a ``RolloutBatch`` of every slot; the caller grades finished rows, trains,
    then calls ``release_finished()`` so their slots take new prompts next step.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import jax
@@ -27,8 +28,9 @@ from flax import nnx, serialization
 
 from tppo_jax.data.readers import MathExample
 from tppo_jax.parallel.multihost import check_batch_layout, host_to_global, tree_to_host
-from tppo_jax.rollout import pages as pg
-from tppo_jax.rollout.generate import SamplingParams, prefill, prefill_and_decode
+from tppo_jax.rollout import kv_slots
+from tppo_jax.rollout.decode import SamplingParams
+from tppo_jax.rollout.engine import TPPOEngine
 
 
 @dataclass
@@ -42,7 +44,7 @@ class RolloutBatch:
     sample_logprobs: ``[B, S]`` log-prob of token ``t`` under the sampling policy (0 elsewhere).
     policy_version: ``[B, S]`` int32 policy version that sampled token ``t`` (-1 for prompts).
     group_id: ``[B]`` int64 id shared by the G samples of a prompt.
-    examples: the ``MathExample`` of each row; reward/correct are filled by the trainer.
+    examples: the ``MathExample`` of each row (None for an empty slot).
     """
 
     tokens: np.ndarray
@@ -55,8 +57,6 @@ class RolloutBatch:
     policy_version: np.ndarray
     group_id: np.ndarray
     examples: list[MathExample | None]  # None for a slot left empty (paged pool short)
-    reward: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
-    correct: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
 
     @property
     def total_len(self) -> np.ndarray:
@@ -92,16 +92,6 @@ class SlotState:
         return dict(self.__dict__)
 
 
-@nnx.jit
-def _prefill_rows(model, cache, tokens, total_len, rows):
-    return prefill(model, cache, tokens, total_len, rows)
-
-
-@jax.jit
-def _copy_tail(k, v, tail_src, tail_dst):
-    return jax.vmap(pg.copy_pages, in_axes=(0, 0, None, None))(k, v, tail_src, tail_dst)
-
-
 class TruncatedRolloutScheduler:
     """B slots, window ``l``, max response ``L`` (``K = ceil(L / l)`` windows per sequence).
 
@@ -125,10 +115,10 @@ class TruncatedRolloutScheduler:
     def __init__(self, model: nnx.Module, prompts: Iterator[MathExample],
                  encode_prompt: Callable[[MathExample], list[int]], *, slots: int,
                  group_size: int, max_prompt_len: int, max_response_len: int, window: int,
-                 eos_id: int, sampling: SamplingParams, kv_policy: Literal["keep", "reprefill"],
-                 seed: int = 0, mesh: Any = None, kv_cache: Literal["dense", "paged"] = "dense",
-                 page_size: int = 16, num_pages: int = 0) -> None:
-        self.model = model
+                 eos_ids: tuple[int, ...], sampling: SamplingParams,
+                 kv_policy: Literal["keep", "reprefill"], seed: int = 0, mesh: Any = None,
+                 kv_cache: Literal["dense", "paged"] = "dense", page_size: int = 16,
+                 num_pages: int = 0) -> None:
         self.prompts = prompts
         self.encode_prompt = encode_prompt
         self.G = group_size
@@ -142,19 +132,17 @@ class TruncatedRolloutScheduler:
         self.window = min(window, max_response_len)
         self.K = -(-max_response_len // self.window)
         self.S = max_prompt_len + max_response_len
-        self.eos_id = eos_id
-        self.sampling = sampling
         self.kv_policy = kv_policy
-        self.rng = jax.random.key(seed)
+        self.kv_cache = kv_cache
+        self.mesh = mesh
+        self.engine = TPPOEngine(model, None, max_slots=slots, max_target_length=self.S,
+                                 kv_cache=kv_cache, page_size=page_size, num_pages=num_pages,
+                                 max_prefill_length=16, sampling=sampling, eos_ids=eos_ids,
+                                 seed=seed, mesh=mesh if kv_cache == "dense" else None)
+        self.ds = self.engine.init_decode_state()
         self.state = SlotState.empty(self.B, self.S)
         self.examples: dict[int, MathExample] = {}
-        self.mesh = mesh
-        self.kv_cache = kv_cache
-        self.page_size = page_size
-        self.max_pages = -(-self.S // page_size)
-        self.num_pages = num_pages or self.B * self.max_pages
-        self.cache = self._new_cache()
-        self.policy_version = 0
+        self.set_policy(model, 0)
         self.step_count = 0
         self._next_seq = 0
         self._next_group = 0
@@ -162,24 +150,9 @@ class TruncatedRolloutScheduler:
         self._force_prefill = False
         self.pending: deque[int] = deque()
 
-    def _new_cache(self):
-        """An empty cache, laid out on the mesh (slots over the batch axes) when given one."""
-        if self.kv_cache == "paged":
-            from tppo_jax.rollout.paged_cache import PagedKVCache, init_pools
-
-            c = self.model.config
-            k, v = init_pools(c.num_layers, c.num_kv_heads, self.num_pages, self.page_size,
-                              c.head_dim, c.jnp_dtype)
-            state = pg.init(self.num_pages, self.B, self.max_pages, self.page_size)
-            return PagedKVCache(state, k, v, jnp.arange(self.B, dtype=jnp.int32))
-        return self.model.init_cache(self.B_global, self.S, mesh=self.mesh)
-
     def _put(self, x: np.ndarray) -> jax.Array:
         """Host rows -> a device array (global and batch-sharded when there is a mesh)."""
         return host_to_global(x, self.mesh) if self.mesh is not None else jnp.asarray(x)
-
-    def _pages_for(self, tokens: int) -> int:
-        return -(-max(tokens, 0) // self.page_size)
 
     def _share_prompts(self, new_rows: np.ndarray) -> np.ndarray:
         """Paged + keep: the G samples of a prompt admitted together prefill it once. The
@@ -196,61 +169,38 @@ class TruncatedRolloutScheduler:
             return done
         src = np.zeros(self.B, bool)
         src[[rows[0] for rows in groups.values()]] = True
-        state, ok = pg.reserve(self.cache.pages, jnp.asarray(src),
-                               jnp.asarray(np.maximum(st.total_len - 1, 0).astype(np.int32)))
+        self.ds, ok = self.engine.prefill_slots(self.params, self.ds, self._put(st.tokens),
+                                                self._put(st.total_len), self._put(src))
         src &= np.asarray(ok)
-        self.cache = _prefill_rows(self.model, self.cache.replace(pages=state),
-                                   jnp.asarray(st.tokens), jnp.asarray(st.total_len),
-                                   jnp.asarray(src))
         done |= src
         for rows in groups.values():
             if not src[rows[0]]:
                 continue
             dst = np.zeros(self.B, bool)
             dst[rows[1:]] = True
-            state, ok, tail_src, tail_dst = pg.share_prefix(self.cache.pages, rows[0],
-                                                            jnp.asarray(dst))
-            k, v = _copy_tail(self.cache.k, self.cache.v, tail_src, tail_dst)
-            self.cache = self.cache.replace(pages=state, k=k, v=v)
-            done |= dst & np.asarray(ok)
+            self.ds, ok = self.engine.share_prompt(self.ds, rows[0], dst,
+                                                   st.seq_id.astype(np.uint32))
+            done |= dst & ok
         self.stats["shared_prefills"] = self.stats.get("shared_prefills", 0.0) + float(
             (done & ~src).sum())
         return done
 
-    def _reserve_pages(self, budget: np.ndarray, new_rows: np.ndarray) -> np.ndarray:
-        """Paged mode: reserves this window's pages (continuations already hold theirs up to
-        ``total_len - 1``). Returns rows that could not get pages (they sit out the window)."""
-        st = self.state
-        stalled = np.zeros(self.B, bool)
-        state = self.cache.pages
-        want = np.where(st.live, st.total_len - 1 + budget, 0)
-        held = np.asarray(state.slot_len)  # shared prompts already hold their prefix
-        need = np.maximum(want - held, 0)
-        # Continuations first: reserve for them, then for the new rows in slot order.
-        for group in (st.live & ~new_rows, new_rows):
-            state, ok = pg.reserve(state, jnp.asarray(group), jnp.asarray(need.astype(np.int32)))
-            stalled |= group & ~np.asarray(ok)
-        self.cache = self.cache.replace(pages=state)
-        return stalled
-
     # ------------------------------------------------------------------ slot management
     def set_policy(self, model: nnx.Module, version: int) -> None:
+        """The weights the next windows sample from, recorded as ``version``."""
         self.model = model
         self.policy_version = version
+        self.params = self.engine.load_params(model, version=version)
 
     def _admit(self) -> np.ndarray:
         """Fills every free slot. Each fresh prompt enqueues G sample requests; requests
         left over when slots run out wait for the next free slot (samples of a group finish
-        at different windows, so free slots rarely come in multiples of G). Returns the
-        rows that need a prefill."""
+        at different windows, so free slots rarely come in multiples of G). With a paged
+        cache, prompts are admitted only while the pool has pages for their first window
+        after every continuation's next window. Returns the rows that need a prefill."""
         st = self.state
         new_rows = np.zeros(self.B, bool)
-        free_pages = None
-        if self.kv_cache == "paged":
-            held = np.asarray(pg.pages_held(self.cache.pages))
-            grow = [self._pages_for(int(st.total_len[r]) - 1 + self.window) - int(held[r])
-                    for r in np.flatnonzero(st.live)]
-            free_pages = int(pg.num_free_pages(self.cache.pages)) - sum(max(g, 0) for g in grow)
+        room = kv_slots.admission_room(self.ds.cache, st.live, st.total_len - 1, self.window)
         for r in np.flatnonzero(~st.live):
             if not self.pending:
                 ex = next(self.prompts)
@@ -260,14 +210,13 @@ class TruncatedRolloutScheduler:
                 self.pending.extend([gid] * self.G)
             gid = self.pending.popleft()
             ids = self.encode_prompt(self.examples[gid])[-self.P:]
-            if free_pages is not None:
-                need = self._pages_for(len(ids) - 1 + self.window)
-                if need > free_pages:  # pool short: admit fewer prompts; this one waits
-                    self.pending.appendleft(gid)
-                    self.stats["admissions_deferred"] = self.stats.get(
-                        "admissions_deferred", 0.0) + 1
-                    break
-                free_pages -= need
+            need = kv_slots.pages_for(len(ids) - 1 + self.window, self.engine.page_size)
+            if kv_slots.is_paged(self.ds.cache) and need > room:
+                self.pending.appendleft(gid)  # pool short: admit fewer prompts; this one waits
+                self.stats["admissions_deferred"] = self.stats.get(
+                    "admissions_deferred", 0.0) + 1
+                break
+            room -= need
             st.tokens[r] = 0
             st.tokens[r, :len(ids)] = ids
             st.prompt_len[r] = st.total_len[r] = len(ids)
@@ -287,35 +236,50 @@ class TruncatedRolloutScheduler:
         pages go back to the pool now)."""
         finished = finished & self.state.live
         self.state.live &= ~finished
-        if self.kv_cache == "paged" and finished.any():
-            self.cache = self.cache.replace(pages=pg.free(self.cache.pages,
-                                                          jnp.asarray(finished)))
+        if finished.any():
+            self.ds = self.engine.free_slots(self.ds, self._put(finished))
         live_groups = set(self.state.group_id[self.state.live].tolist()) | set(self.pending)
         self.examples = {g: e for g, e in self.examples.items() if g in live_groups}
 
     # ---------------------------------------------------------------------------- step
+    def _sync_engine(self) -> None:
+        """The engine's per-slot vectors from the host state (the cache invariant: position
+        ``total_len - 1`` holds the pending token)."""
+        st, put = self.state, self._put
+        last = np.maximum(st.total_len - 1, 0)
+        self.ds = self.engine.sync(
+            self.ds, next_token=put(st.tokens[np.arange(self.B), last]), position=put(last),
+            generated=put((st.total_len - st.prompt_len).astype(np.int32)),
+            seq_id=put(st.seq_id.astype(np.uint32)), live=put(st.live.copy()))
+
+    def _prefill(self, new_rows: np.ndarray) -> None:
+        """New prompts (and, with ``reprefill``, every continuation) into their slots."""
+        st = self.state
+        rows = (new_rows | (self.kv_policy == "reprefill") | self._force_prefill) & st.live
+        self._force_prefill = False
+        # Sharing needs the prompt's KV to stay fixed, so not with reprefill.
+        if kv_slots.is_paged(self.ds.cache) and self.kv_policy == "keep" and self.G > 1:
+            rows &= ~self._share_prompts(new_rows)
+        if not rows.any():
+            return
+        self.ds, ok = self.engine.prefill_slots(self.params, self.ds, self._put(st.tokens),
+                                                self._put(st.total_len), self._put(rows))
+        if not np.asarray(tree_to_host(ok))[rows].all():
+            raise RuntimeError("KV pages ran out during a prefill the admission budget allowed")
+
     def step(self) -> RolloutBatch:
         st = self.state
         new_rows = self._admit()
-        prefill_rows = new_rows | (self.kv_policy == "reprefill") | self._force_prefill
-        prefill_rows &= st.live
-        self._force_prefill = False
-        budget = np.minimum(self.window, st.prompt_len + self.L - st.total_len).astype(np.int32)
-        stalled = np.zeros(self.B, bool)
-        if self.kv_cache == "paged":
-            # Sharing needs the prompt's KV to stay fixed, so not with reprefill.
-            if self.kv_policy == "keep" and self.G > 1:
-                prefill_rows &= ~self._share_prompts(new_rows)
-            stalled = self._reserve_pages(budget, new_rows)
+        self._sync_engine()
+        self._prefill(new_rows)
+        budget = np.where(st.live, np.minimum(self.window, st.prompt_len + self.L - st.total_len),
+                          0).astype(np.int32)
+        self.ds, out = self.engine.generate_window(
+            self.ds, self.params, self.window, budget=self._put(budget),
+            first=self._put(st.live & ~new_rows))
+        toks, lps, count, hit_eos, stalled, steps = tree_to_host(
+            (out.tokens, out.logprobs, out.count, out.hit_eos, out.stalled, out.steps))
         active = st.live & ~stalled
-        budget = np.where(active, budget, 0).astype(np.int32)
-        put = self._put
-        out, self.cache = prefill_and_decode(
-            self.model, self.cache, put(st.tokens), put(st.total_len),
-            put(prefill_rows & active), put(active), put(budget), self.rng,
-            put(st.seq_id.astype(np.uint32)), jnp.int32(self.step_count),
-            window=self.window, eos_id=self.eos_id, params=self.sampling)
-        toks, lps, count, hit_eos, steps = tree_to_host(tuple(out))
         window_start = st.total_len.copy()
         for r in range(self.B):
             n = int(count[r])
@@ -357,17 +321,17 @@ class TruncatedRolloutScheduler:
         self.examples = {int(g): MathExample(**e) for g, e in d["examples"].items()}
         self.policy_version = int(d["policy_version"])
         # Without a saved cache every live row is re-prefilled (see ``restore_cache``).
-        self.cache = self._new_cache()
+        self.ds = self.engine.init_decode_state()
         self._force_prefill = True
 
     def cache_state(self) -> dict[str, Any]:
         """The KV cache (dense or paged, with its page table) as a nested dict of arrays."""
-        return serialization.to_state_dict(self.cache)
+        return serialization.to_state_dict(self.ds.cache)
 
     def restore_cache(self, tree: dict[str, Any]) -> None:
         """Restores a ``cache_state()`` so continuations resume exactly as in an
         uninterrupted run (no re-prefill); arrays keep the live cache's placement."""
         placed = jax.tree.map(lambda x, like: jax.device_put(x, like.sharding),
-                              tree, serialization.to_state_dict(self.cache))
-        self.cache = serialization.from_state_dict(self.cache, placed)
+                              tree, serialization.to_state_dict(self.ds.cache))
+        self.ds = self.ds.replace(cache=serialization.from_state_dict(self.ds.cache, placed))
         self._force_prefill = False

@@ -103,8 +103,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from tppo_jax.compat.jetstream import LOOPBACK_HOST
     from tppo_jax.config import load_config
+    from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.rollout.engine import TPPOEngine
-    from tppo_jax.rollout.generate import SamplingParams
     from tppo_jax.rollout.server import EngineServer
 
     # JetStream logs every decode step at INFO on the root logger; keep that for --verbose.

@@ -18,15 +18,17 @@ from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.rewards.math import MathGrader
 from tppo_jax.rewards.steps import verify_solution
-from tppo_jax.rollout.generate import SamplingParams, prefill_and_decode
+from tppo_jax.rollout.decode import SamplingParams
+from tppo_jax.rollout.engine import TPPOEngine
 
 
 def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[int]], *,
                      max_prompt_len: int, max_response_len: int, sampling: SamplingParams,
                      batch_size: int = 64, seed: int = 0, mesh=None) -> list[list[int]]:
-    """Decodes one response per prompt (one window of ``max_response_len``), batched.
+    """Decodes one response per prompt through the rollout engine (one window of
+    ``max_response_len``), ``batch_size`` slots at a time.
 
-    With a mesh the batches are sharded over it; with several processes ``prompts`` are this
+    With a mesh the slots are sharded over it; with several processes ``prompts`` are this
     host's and ``batch_size`` is the global batch (every host runs the same batch count).
     """
     s = max_prompt_len + max_response_len
@@ -34,6 +36,9 @@ def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[i
     local_bs = mh.local_count(batch_size)
     n_batches = -(-int(mh.max_over_hosts({"n": len(prompts)})["n"]) // local_bs)
     put = (lambda x: mh.host_to_global(x, mesh)) if mesh is not None else jnp.asarray
+    engine = TPPOEngine(model, tok, max_slots=batch_size, max_target_length=s, kv_cache="dense",
+                        max_prefill_length=16, sampling=sampling, seed=seed, mesh=mesh)
+    params = engine.load_params(model)
     out: list[list[int]] = []
     for b in range(n_batches):
         lo = b * local_bs
@@ -48,12 +53,12 @@ def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[i
             lens[i] = len(ids)
         # Row ids seed the sampling streams: globally unique across batches and hosts.
         row_ids = b * local_bs * hosts + me * local_bs + np.arange(local_bs)
-        res, _ = prefill_and_decode(
-            model, model.init_cache(batch_size, s, mesh=mesh), put(tokens), put(lens),
-            put(np.ones(local_bs, bool)), put(np.ones(local_bs, bool)),
-            put(np.full(local_bs, max_response_len, np.int32)), jax.random.key(seed),
-            put(row_ids.astype(np.uint32)), jnp.int32(0),
-            window=max_response_len, eos_id=tok.eos_id, params=sampling)
+        ds = engine.sync(engine.init_decode_state(), next_token=put(tokens[:, 0]),
+                         position=put(lens - 1), generated=put(np.zeros(local_bs, np.int32)),
+                         seq_id=put(row_ids.astype(np.uint32)), live=put(np.ones(local_bs, bool)))
+        ds, _ = engine.prefill_slots(params, ds, put(tokens), put(lens),
+                                     put(np.ones(local_bs, bool)))
+        _, res = engine.generate_window(ds, params, max_response_len)
         toks, count = mh.tree_to_host((res.tokens, res.count))
         out.extend(toks[i, :count[i]].tolist() for i in range(n))
     return out

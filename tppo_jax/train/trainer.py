@@ -38,7 +38,7 @@ from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.mesh import layout_rules, make_mesh, reshard
 from tppo_jax.rewards.math import MathGrader, overlong_penalty
-from tppo_jax.rollout.generate import SamplingParams
+from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import RolloutBatch, TruncatedRolloutScheduler
 from tppo_jax.train.checkpoint import Checkpointer
 from tppo_jax.train.evaluate import evaluate
@@ -268,7 +268,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     sched = TruncatedRolloutScheduler(
         policy_model(), prompts, encode, slots=r.slots, group_size=r.group_size,
         max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len, window=r.window,
-        eos_id=tok.eos_id, sampling=sampling, kv_policy=r.kv_policy, seed=cfg.train.seed,
+        eos_ids=tok.eos_ids, sampling=sampling, kv_policy=r.kv_policy, seed=cfg.train.seed,
         mesh=mesh, kv_cache=r.kv_cache, page_size=r.page_size, num_pages=r.num_pages)
 
     def ckpt_trees() -> dict[str, Any]:
