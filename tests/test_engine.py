@@ -14,12 +14,12 @@ import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
 from jetstream.engine import token_utils
 
 from tppo_jax.models.transformer import ModelConfig, Transformer
+from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.engine import PoolExhaustedError, TPPOEngine, TPPOResultTokens
-from tppo_jax.rollout.generate import SamplingParams
 
 V, MAXLEN = 64, 32
 PROMPTS = [[7, 3, 9, 12, 5], [4, 4, 8, 30, 2, 19, 33, 6, 10, 11, 40]]
-TOK = types.SimpleNamespace(eos_id=1, bos_id=2, pad_id=0, backend="stub")
+TOK = types.SimpleNamespace(eos_id=1, eos_ids=(1,), bos_id=2, pad_id=0, backend="stub")
 fwd = nnx.jit(lambda m, t: m(t))
 
 
@@ -72,14 +72,14 @@ def _prefix(eng, params, prompt):
 @pytest.fixture(scope="module")
 def engine(model, eos):
     return TPPOEngine(model, TOK, max_slots=4, page_size=4, max_target_length=MAXLEN,
-                      max_prefill_length=16, sampling=SamplingParams(greedy=True), eos_id=eos)
+                      max_prefill_length=16, sampling=SamplingParams(greedy=True), eos_ids=(eos,))
 
 
 def test_abstract_api_is_implemented(engine):
     assert not TPPOEngine.__abstractmethods__
     assert engine.max_concurrent_decodes == 4 and engine.samples_per_slot == 1
     assert engine.colocated_cpus is None and engine.pages_total == 4 * 8
-    assert engine.build_tokenizer(engine.get_tokenizer()).stop_tokens == {engine.eos_id}
+    assert engine.build_tokenizer(engine.get_tokenizer()).stop_tokens == set(engine.eos_ids)
 
 
 def test_generate_matches_full_forward(engine, reference, eos):
@@ -152,17 +152,19 @@ def test_insert_group_shares_prompt_pages(engine, reference, eos):
 def test_pool_exhaustion_refuses_insert(model, reference):
     eng = TPPOEngine(model, TOK, max_slots=2, page_size=4, max_target_length=MAXLEN,
                      num_pages=4, max_prefill_length=16, sampling=SamplingParams(greedy=True),
-                     eos_id=V + 5)  # never emitted
+                     eos_ids=(V + 5,))  # never emitted
     params = eng.load_params()
     ds = eng.init_decode_state()
     prefix = _prefix(eng, params, PROMPTS[1])
     ds = eng.insert(prefix, ds, 0)  # 3 of 4 pages
-    table_before = np.asarray(ds.pages.page_table).copy()
-    with pytest.raises(PoolExhaustedError, match="pool exhausted"):
+    table_before = np.asarray(ds.cache.pages.page_table).copy()
+    with pytest.raises(PoolExhaustedError, match="pool exhausted") as err:
         eng.insert(prefix, ds, 1)
-    ds2, ok = eng.try_insert(prefix, ds, 1)
-    assert not ok and not bool(ds2.live[1])
-    np.testing.assert_array_equal(np.asarray(ds2.pages.page_table), table_before)
+    ds = err.value.decode_state  # the donated state's successor: slot 1 empty, slot 0 intact
+    np.testing.assert_array_equal(np.asarray(ds.cache.pages.page_table), table_before)
+    ds, ok = eng.try_insert(prefix, ds, 1)
+    assert not ok and not bool(ds.live[1])
+    np.testing.assert_array_equal(np.asarray(ds.cache.pages.page_table), table_before)
     # The live slot keeps decoding correctly; when it needs a 5th page it ends instead of
     # overwriting anything, and its pages return to the pool.
     toks = []
@@ -178,7 +180,7 @@ def test_pool_exhaustion_refuses_insert(model, reference):
 
 def test_sampling_is_reproducible_across_paths(model):
     eng = TPPOEngine(model, TOK, max_slots=2, page_size=8, max_target_length=MAXLEN,
-                     max_prefill_length=16, eos_id=V + 5,
+                     max_prefill_length=16, eos_ids=(V + 5,),
                      sampling=SamplingParams(temperature=1.0, top_p=0.9, top_k=20))
     params = eng.load_params()
     outs = []

@@ -9,11 +9,26 @@ from flax import nnx
 from tppo_jax.models.cache import KVCache
 from tppo_jax.models.transformer import ModelConfig, Transformer
 from tppo_jax.rollout import pages as pg
-from tppo_jax.rollout.paged_cache import PagedKVCache, init_pools, prefill_into_slots
+from tppo_jax.rollout.paged_cache import PagedKVCache, init_pools
 
 V, PS = 64, 4
 step = nnx.jit(lambda m, t, p, c, v: m.forward_with_cache(t, p, c, valid=v))
-prefill = nnx.jit(prefill_into_slots)
+
+
+@nnx.jit
+def prefill(model, pages, k, v, tokens, num_tokens, slots):
+    """Reserves pages for ``tokens[:, :num_tokens]`` of each row in its empty slot and writes
+    them; returns ``(pages, k, v, logits [B, T, V], ok [B])``."""
+    b, t = tokens.shape
+    mask = pg.slots_to_mask(slots, pages.num_slots)
+    per_slot = jnp.zeros((pages.num_slots,), jnp.int32).at[slots].set(num_tokens)
+    pages, ok_slot = pg.reserve(pages, mask, per_slot)
+    ok = ok_slot[slots]
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    valid = (positions < num_tokens[:, None]) & ok[:, None]
+    logits, cache = model.forward_with_cache(tokens, positions,
+                                             PagedKVCache(pages, k, v, slots), valid=valid)
+    return cache.pages, cache.k, cache.v, logits, ok
 fwd = nnx.jit(lambda m, t, a: m(t, attention_mask=a))
 reserve = jax.jit(pg.reserve)
 

@@ -8,29 +8,35 @@ from flax import nnx
 
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.parallel.mesh import layout_rules, make_mesh, named_sharding, reshard
-from tppo_jax.rollout.generate import SamplingParams, prefill_and_decode
+from tppo_jax.rollout.decode import SamplingParams
+from tppo_jax.rollout.engine import TPPOEngine
 
 CFG = ModelConfig.tiny(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=16)
 
 
-def _decode(model, cache):
+def _decode(model, mesh=None):
+    """The engine's batched prefill + one 12-token window over a dense cache (on ``mesh``)."""
     b, s = 8, 24
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(4, 60, size=(b, s)), jnp.int32)
     lens = jnp.asarray(rng.integers(3, 9, size=b), jnp.int32)
-    out, _ = prefill_and_decode(
-        model, cache, tokens, lens, jnp.ones(b, bool), jnp.ones(b, bool),
-        jnp.full(b, 12, jnp.int32), jax.random.key(0), jnp.arange(b, dtype=jnp.uint32),
-        jnp.int32(0), window=12, eos_id=-1, params=SamplingParams(greedy=True))
+    eng = TPPOEngine(model, None, max_slots=b, max_target_length=s, kv_cache="dense",
+                     max_prefill_length=16, sampling=SamplingParams(greedy=True), eos_ids=(),
+                     mesh=mesh)
+    params = eng.load_params(model)
+    ds = eng.sync(eng.init_decode_state(), next_token=tokens[:, 0], position=lens - 1,
+                  generated=jnp.zeros(b, jnp.int32), seq_id=jnp.arange(b, dtype=jnp.uint32),
+                  live=jnp.ones(b, bool))
+    ds, _ = eng.prefill_slots(params, ds, tokens, lens, jnp.ones(b, bool))
+    _, out = eng.generate_window(ds, params, 12)
     return np.asarray(out.tokens), np.asarray(out.logprobs)
 
 
 def test_sharded_greedy_decode_equals_unsharded(devices8):
-    want = _decode(create_model(CFG, seed=0), create_model(CFG, seed=0).init_cache(8, 24))
+    want = _decode(create_model(CFG, seed=0))
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
-    model = create_model(CFG, seed=0, mesh=mesh)
-    got = _decode(model, model.init_cache(8, 24).shard(mesh))
+    got = _decode(create_model(CFG, seed=0, mesh=mesh), mesh)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], atol=1e-5)
 

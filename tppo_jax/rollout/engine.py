@@ -44,7 +44,12 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 327
 
 
 class PoolExhaustedError(RuntimeError):
-    """``insert`` found too few free pages; the decode state was left unchanged."""
+    """``insert`` found too few free pages. The decode state passed in was donated; the one
+    to keep using (the slot left empty, nothing else touched) is ``decode_state``."""
+
+    def __init__(self, msg: str, decode_state: Any = None) -> None:
+        super().__init__(msg)
+        self.decode_state = decode_state
 
 
 @struct.dataclass
@@ -238,8 +243,8 @@ class TPPOEngine(engine_api.Engine):
         cache = kv_slots.new_cache(self.config, s, self.max_target_length, kind=self.kv_cache,
                                    page_size=self.page_size, num_pages=self.num_pages,
                                    mesh=self._cache_mesh, attn_impl=self._impl)
-        zeros = jnp.zeros(s, jnp.int32)
-        return DecodeState(cache=cache, next_token=zeros, position=zeros, generated=zeros,
+        zeros = lambda: jnp.zeros(s, jnp.int32)  # noqa: E731  (distinct buffers: donated)
+        return DecodeState(cache=cache, next_token=zeros(), position=zeros(), generated=zeros(),
                            seq_id=jnp.zeros(s, jnp.uint32), live=jnp.zeros(s, bool),
                            rng=jax.random.PRNGKey(self._seed))
 
@@ -293,13 +298,15 @@ class TPPOEngine(engine_api.Engine):
     def try_insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
                    seq_id: int | None = None) -> tuple[DecodeState, bool]:
         """``insert`` that reports failure instead of raising. On failure the slot is empty
-        (its previous pages freed) and no live page of another slot was touched."""
+        (its previous pages freed) and no live page of another slot was touched.
+        ``decode_state`` is donated: use the returned one."""
         ds, ok = self._insert_fn(decode_state, prefix, jnp.int32(slot), self._new_seq(seq_id))
         return ds, bool(ok)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
                seq_id: int | None = None) -> DecodeState:
-        """Places a prefix into ``slot`` (freeing what it held); see ``strict_insert``."""
+        """Places a prefix into ``slot`` (freeing what it held); see ``strict_insert``.
+        ``decode_state`` is donated."""
         ds, ok = self.try_insert(prefix, decode_state, slot, seq_id=seq_id)
         if ok:
             return ds
@@ -307,7 +314,7 @@ class TPPOEngine(engine_api.Engine):
         msg = (f"KV page pool exhausted: slot {slot} needs {need} pages, "
                f"{self.num_pages - self.pages_in_use(ds)} free of {self.num_pages}")
         if self.strict_insert:
-            raise PoolExhaustedError(msg)
+            raise PoolExhaustedError(msg, ds)
         log.warning("%s; request dropped", msg)
         return ds
 

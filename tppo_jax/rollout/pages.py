@@ -97,6 +97,12 @@ def _free_page_list(state: PageState) -> Array:
     return ids.astype(jnp.int32)
 
 
+def extra_pages_needed(state: PageState, slot_mask: Array, num_tokens: Array | int) -> Array:
+    """[S] int32: new pages each masked slot needs to store `num_tokens` more tokens."""
+    want = pages_needed(state.slot_len + num_tokens, state.page_size)
+    return jnp.where(slot_mask, jnp.maximum(want - pages_held(state), 0), 0)
+
+
 def reserve(state: PageState, slot_mask: Array, num_tokens: Array | int) -> tuple[PageState, Array]:
     """Ensure each masked slot has room for `num_tokens` more tokens; slot_len is unchanged.
 

@@ -36,17 +36,38 @@ from tppo_jax.rollout.engine import EngineParams, TPPOEngine
 log = logging.getLogger(__name__)
 
 
-class JetStreamTokenizer(tokenizer_api.Tokenizer):
-    """Adapts ``models.tokenizer.Tokenizer`` to JetStream's tokenizer interface."""
+def model_adds_bos(tok: Tokenizer) -> bool:
+    """Whether the model's own tokenizer puts BOS in front of a text (an HF post-processor
+    such as Llama's; sentencepiece models trained here do not)."""
+    if tok.backend != "hf" or tok.bos_id is None:
+        return False
+    ids = tok._impl.encode("a", add_special_tokens=True).ids
+    return bool(ids) and ids[0] == tok.bos_id
 
-    def __init__(self, tok: Tokenizer, eos_id: int | None = None) -> None:
+
+def encode_request_text(tok: Tokenizer, text: str) -> list[int]:
+    """A served text prompt as the model's tokenizer encodes it: BOS only where that
+    tokenizer adds one, never doubled (a chat-templated text may already start with it)."""
+    ids = tok.encode(text)
+    if model_adds_bos(tok) and (not ids or ids[0] != tok.bos_id):
+        ids = [tok.bos_id] + ids
+    return ids
+
+
+class JetStreamTokenizer(tokenizer_api.Tokenizer):
+    """Adapts ``models.tokenizer.Tokenizer`` to JetStream's tokenizer interface, stopping on
+    every id of ``eos_ids``."""
+
+    def __init__(self, tok: Tokenizer, eos_ids: tuple[int, ...] | None = None) -> None:
         self.tok = tok
-        self._eos = tok.eos_id if eos_id is None else eos_id
+        self._eos = tuple(tok.eos_ids if eos_ids is None else eos_ids)
 
     def encode(self, s: str, is_bos: bool = True, max_prefill_length: int | None = None,
                jax_padding: bool = True, **kwargs: Any) -> tuple[Any, int]:
-        ids = np.asarray(self.tok.encode(s), np.int32)
-        return token_utils.pad_tokens(ids, self.bos_id, self.pad_id, is_bos=is_bos,
+        # JetStream's is_bos would prepend bos_id (or pad, for a tokenizer without BOS) to
+        # every prompt; the served prompt is exactly the model tokenizer's encoding instead.
+        ids = np.asarray(encode_request_text(self.tok, s), np.int32)
+        return token_utils.pad_tokens(ids, self.bos_id, self.pad_id, is_bos=False,
                                       max_prefill_length=max_prefill_length,
                                       jax_padding=jax_padding)
 
@@ -62,7 +83,7 @@ class JetStreamTokenizer(tokenizer_api.Tokenizer):
 
     @property
     def eos_id(self) -> int:
-        return -1 if self._eos is None else int(self._eos)
+        return self._eos[0] if self._eos else -1
 
     @property
     def bos_id(self) -> int:
@@ -70,7 +91,17 @@ class JetStreamTokenizer(tokenizer_api.Tokenizer):
 
     @property
     def stop_tokens(self) -> set[int]:
-        return {self.eos_id}  # the engine stops on EOS only; pad is a normal token
+        return set(self._eos)  # the engine stops on EOS ids only; pad is a normal token
+
+
+class PromptAsSentDriver(orchestrator.Driver):
+    """JetStream's ``Driver``, except that a prompt is served exactly as sent: token-id
+    requests are not given a leading ``bos_id`` (JetStream adds one to every request whose
+    ``history_path`` is empty), and text is encoded as the model's tokenizer does."""
+
+    def _process_prefill_content(self, request: Any, tokenizer: Any, is_bos: bool,
+                                 max_prefill_length: int) -> tuple[Any, int]:
+        return super()._process_prefill_content(request, tokenizer, False, max_prefill_length)
 
 
 def validate_request(request: jetstream_pb2.DecodeRequest, vocab_size: int,
@@ -135,7 +166,7 @@ class EngineServer:
         engine.strict_insert = False  # a raising insert would kill the server process
         params = engine.load_params() if params is None else params
         self.engine = engine
-        self.driver = orchestrator.Driver(
+        self.driver = PromptAsSentDriver(
             prefill_engines=[engine], generate_engines=[engine], prefill_params=[params],
             generate_params=[params], interleaved_mode=True)
         quiet_logging()
