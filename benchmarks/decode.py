@@ -1,12 +1,17 @@
-"""Decode throughput (paged vs dense cache vs no cache) and slot occupancy (truncated vs sync).
+"""Decode throughput of what trains (paged vs dense vs no cache, and transformers) and slot
+occupancy (truncated vs synchronous).
 
-Run from the repository root: ``python -m benchmarks.decode`` (or ``tppo bench decode``).
-Writes ``results/decode_bench.json`` and prints a markdown table.
+Run ``tppo bench decode`` (or ``python -m tppo_jax.benchmarks.decode``). Writes
+``results/decode_bench.json`` and prints a markdown table.
 
 Throughput: the tiny model, random prompts of 16 tokens, ``--new-tokens`` (128) sampled at
-temperature 1 with EOS disabled, so every row generates the same count. Each path is one
-jitted on-device loop, compiled ahead of time (``.lower().compile()``) so compilation is
-excluded, then run ``--repeats`` times; the best time is reported.
+temperature 1 with no EOS, so every row generates the same count. The paged and dense rows
+time exactly what the training scheduler runs per window: ``TPPOEngine.generate_window``
+(the decode core's jitted loop) after the engine's batched prefill into slots, which is not
+timed. The jit is warmed up first (compile excluded); best of ``--repeats``. The no-cache row
+recomputes the whole buffer per token. Where torch + transformers are importable, the same
+weights (``save_pretrained``) run ``generate(do_sample=False)`` with the static and the
+dynamic cache on the CPU (skipped otherwise).
 
 Occupancy: a simulation with the scheduler's arithmetic (each window decodes until every
 slot is done or ``l`` steps; finished slots refill at window boundaries) on response lengths
@@ -20,6 +25,7 @@ import argparse
 import json
 import platform
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -31,12 +37,11 @@ import numpy as np
 from flax import nnx
 
 from tppo_jax.models.transformer import ModelConfig, create_model
+from tppo_jax.rollout.decode import SamplingParams, sequence_keys
 from tppo_jax.rollout.engine import TPPOEngine
-from tppo_jax.rollout.generate import SamplingParams, decode_window, prefill
-from tppo_jax.rollout.sampling import sample, slot_keys
+from tppo_jax.rollout.sampling import sample
 
 PROMPT = 16
-NO_EOS = -1
 
 
 def _best(fn, repeats: int) -> float:
@@ -49,57 +54,39 @@ def _best(fn, repeats: int) -> float:
     return min(times)
 
 
-def bench_paged(model, prompts: np.ndarray, new: int, repeats: int) -> tuple[float, int]:
-    b = prompts.shape[0]
-    tok = types.SimpleNamespace(eos_id=NO_EOS, bos_id=None, pad_id=0, backend="none")
-    eng = TPPOEngine(model, tok, max_slots=b, page_size=16, max_target_length=PROMPT + new + 16,
-                     max_prefill_length=PROMPT, eos_id=NO_EOS)
-    params = eng.load_params()
-
-    def fresh():
-        ds = eng.init_decode_state()
-        for s in range(b):
-            pre = eng.prefill(params=params, padded_tokens=jnp.asarray(prompts[s]),
-                              true_length=PROMPT)
-            ds = eng.insert(pre, ds, s)
-        return jax.block_until_ready(ds)
-
-    compiled = eng._window_fn.lower(fresh(), params, new).compile()
-    pages = 0
-
-    def run():
-        nonlocal pages
-        ds, out = compiled(fresh_state[0], params)
-        jax.block_until_ready(out.tokens)
-        assert int(out.count.min()) == new
-        pages = eng.pages_in_use(ds)
-
-    times = []
-    for _ in range(repeats):
-        fresh_state = [fresh()]  # prefill/insert is not timed; only the decode window
-        times.append(_best(run, 1))
-    return b * new / min(times), pages
-
-
-def bench_dense(model, prompts: np.ndarray, new: int, repeats: int) -> float:
+def bench_engine(model, prompts: np.ndarray, new: int, repeats: int, kind: str
+                 ) -> tuple[float, int]:
+    """Tokens/s of one training window of ``new`` tokens per slot through the engine (the
+    scheduler's ``prefill_slots`` + ``generate_window``); also the KV pages it held."""
     b = prompts.shape[0]
     s = PROMPT + new
-    toks = jnp.zeros((b, s), jnp.int32).at[:, :PROMPT].set(jnp.asarray(prompts))
-    total = jnp.full((b,), PROMPT, jnp.int32)
-    pre = nnx.jit(prefill)
-    dec = nnx.jit(decode_window, static_argnames=("window", "eos_id", "params"))
-    args = (jnp.asarray(prompts[:, -1]), total, jnp.full((b,), new, jnp.int32),
-            jnp.ones(b, bool), jax.random.key(0), jnp.arange(b, dtype=jnp.uint32), jnp.int32(0))
-    kw = dict(window=new, eos_id=NO_EOS, params=SamplingParams())
-    cache0 = pre(model, model.init_cache(b, s), toks, total, jnp.ones(b, bool))
-    dec(model, cache0, *args, **kw)[0].tokens.block_until_ready()  # compile (nnx.jit has no AOT)
+    eng = TPPOEngine(model, types.SimpleNamespace(eos_ids=()), max_slots=b, max_target_length=s,
+                     kv_cache=kind, page_size=16, max_prefill_length=16,
+                     sampling=SamplingParams())
+    params = eng.load_params(model)
+    tokens = np.zeros((b, s), np.int32)
+    tokens[:, :PROMPT] = prompts
+    lens = jnp.full(b, PROMPT, jnp.int32)
 
-    def run():
-        out, _ = dec(model, cache0, *args, **kw)
+    def fresh():
+        ds = eng.sync(eng.init_decode_state(), next_token=jnp.asarray(prompts[:, -1]),
+                      position=lens - 1, generated=jnp.zeros(b, jnp.int32),
+                      seq_id=jnp.arange(b, dtype=jnp.uint32), live=jnp.ones(b, bool))
+        ds, _ = eng.prefill_slots(params, ds, jnp.asarray(tokens), lens, jnp.ones(b, bool))
+        return jax.block_until_ready(ds)
+
+    pages = 0
+    times = []
+    for i in range(repeats + 1):  # the first call compiles
+        ds = fresh()  # prefill is not timed; only the decode window
+        t0 = time.perf_counter()
+        ds, out = eng.generate_window(ds, params, new)
+        jax.block_until_ready(out.tokens)
+        if i:
+            times.append(time.perf_counter() - t0)
         assert int(out.count.min()) == new
-        out.tokens.block_until_ready()
-
-    return b * new / _best(run, repeats)
+        pages = max(pages, eng.pages_in_use(ds) if kind == "paged" else 0)
+    return b * new / min(times), pages
 
 
 def bench_nocache(model, prompts: np.ndarray, new: int, repeats: int) -> float:
@@ -114,7 +101,7 @@ def bench_nocache(model, prompts: np.ndarray, new: int, repeats: int) -> float:
 
         def body(i, buf):
             logits = m(buf)[:, PROMPT - 1 + i]  # causal: padding beyond i does not leak in
-            keys = slot_keys(jax.random.key(0), jnp.arange(b), i)
+            keys = sequence_keys(jax.random.key(0), jnp.full(b, i), jnp.arange(b))
             nxt, _ = sample(logits, keys)
             return buf.at[:, PROMPT + i].set(nxt)
 
@@ -123,6 +110,34 @@ def bench_nocache(model, prompts: np.ndarray, new: int, repeats: int) -> float:
     buf = jnp.zeros((b, s), jnp.int32).at[:, :PROMPT].set(jnp.asarray(prompts))
     compiled = gen.lower(state, buf).compile()
     return b * new / _best(lambda: compiled(state, buf).block_until_ready(), repeats)
+
+
+def bench_transformers(model, prompts: np.ndarray, new: int, repeats: int
+                       ) -> dict[str, float] | None:
+    """``generate(do_sample=False)`` tokens/s of the same weights in transformers (static
+    and dynamic cache), or None where torch / transformers are not installed."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    from tppo_jax.models.hf import save_pretrained
+
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model, d)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    ids = torch.from_numpy(prompts).long()
+    out = {}
+    for cache in ("static", "dynamic"):
+        kw = dict(do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                  attention_mask=torch.ones_like(ids))
+        if cache == "static":
+            kw["cache_implementation"] = "static"
+        with torch.no_grad():
+            hf.generate(ids, **kw)  # warm-up
+            out[f"transformers_{cache}_tok_s"] = prompts.size // PROMPT * new / _best(
+                lambda kw=kw: hf.generate(ids, **kw), repeats)
+    return out
 
 
 def simulate_occupancy(lengths: np.ndarray, slots: int, window: int, max_len: int
@@ -145,11 +160,12 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     for b in batches:
         prompts = rng.integers(4, 128, size=(b, PROMPT)).astype(np.int32)
-        paged, pages = bench_paged(model, prompts, new, repeats)
+        paged, pages = bench_engine(model, prompts, new, repeats, "paged")
         row = {"batch": b, "new_tokens": new, "paged_tok_s": paged,
-               "dense_tok_s": bench_dense(model, prompts, new, repeats),
+               "dense_tok_s": bench_engine(model, prompts, new, repeats, "dense")[0],
                "nocache_tok_s": bench_nocache(model, prompts, new, repeats),
                "paged_pages_in_use": pages}
+        row.update(bench_transformers(model, prompts, new, repeats) or {})
         rows.append(row)
         print(f"B={b}: " + ", ".join(f"{k}={v:.0f}" for k, v in row.items()
                                      if k.endswith("tok_s")), file=sys.stderr, flush=True)
@@ -163,16 +179,20 @@ def run(args: argparse.Namespace) -> int:
                                   "length_p99": float(np.percentile(lengths, 99))},
               "env": {"backend": jax.default_backend(), "devices": len(jax.devices()),
                       "jax": jax.__version__, "machine": platform.machine(),
-                      "note": "tiny model (~0.8M params); compile excluded; best of repeats"}}
+                      "note": "tiny model (~0.8M params); paged/dense = the scheduler's window "
+                              "through TPPOEngine; compile excluded; best of repeats"}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
 
-    print("| B | paged tok/s | dense tok/s | no-cache tok/s | paged/dense |")
-    print("|---|---|---|---|---|")
+    print("| B | paged tok/s | dense tok/s | no-cache tok/s | paged/dense "
+          "| transformers static / dynamic tok/s |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
+        hf = (f"{r['transformers_static_tok_s']:.0f} / {r['transformers_dynamic_tok_s']:.0f}"
+              if "transformers_static_tok_s" in r else "(no torch)")
         print(f"| {r['batch']} | {r['paged_tok_s']:.0f} | {r['dense_tok_s']:.0f} | "
-              f"{r['nocache_tok_s']:.0f} | {r['paged_tok_s'] / r['dense_tok_s']:.2f} |")
+              f"{r['nocache_tok_s']:.0f} | {r['paged_tok_s'] / r['dense_tok_s']:.2f} | {hf} |")
     print("\n| rollout (64 slots, L=1024) | decode steps | occupancy |")
     print("|---|---|---|")
     for name, o in occ.items():

@@ -56,8 +56,9 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     kv_policy: Literal["keep", "reprefill"] = "keep"
-    # paged: one shared page pool (fewer prompts are admitted when it is short)
-    kv_cache: Literal["dense", "paged"] = "dense"
+    # paged: one shared page pool (fewer prompts are admitted when it is short); auto: paged
+    # on TPU/GPU, dense on CPU and across hosts (rollout.kv_slots.resolve_kind)
+    kv_cache: Literal["auto", "dense", "paged"] = "auto"
     page_size: int = 16
     num_pages: int = 0  # 0 = enough for every slot at full length
 
@@ -425,7 +426,7 @@ def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1
             f"model.num_kv_heads ({cfg.model.num_kv_heads})"
         )
     if num_processes > 1:
-        if r.kv_cache != "dense":
+        if r.kv_cache == "paged":
             raise ConfigError(f"rollout.kv_cache={r.kv_cache!r} is single-host; with "
                               f"{num_processes} processes use rollout.kv_cache=dense")
         if r.slots % num_processes:

@@ -133,7 +133,8 @@ class TPPOEngine(engine_api.Engine):
       tokenizer: ``models.tokenizer.Tokenizer``; tokenizer_path: reported to JetStream.
       max_slots: concurrent sequences S (global over hosts for a dense cache on a mesh).
       max_target_length: prompt + generated positions per slot.
-      kv_cache: ``paged`` (page_size, num_pages: 0 = every slot at full length) or ``dense``.
+      kv_cache: ``paged`` (page_size, num_pages: 0 = every slot at full length), ``dense``, or
+        ``auto`` (``kv_slots.resolve_kind``: paged on TPU/GPU, dense on CPU).
       max_prefill_length: JetStream prefill bucket cap (16, 32, ... 32768).
       sampling: static ``SamplingParams``; eos_ids: stop tokens (default ``tokenizer.eos_ids``).
       mesh: lay a dense cache out on it (slots over the batch axes).
@@ -151,8 +152,9 @@ class TPPOEngine(engine_api.Engine):
             raise ValueError(f"max_prefill_length must be one of {PREFILL_BUCKETS}")
         if max_prefill_length > max_target_length:
             raise ValueError("max_prefill_length must not exceed max_target_length")
-        if kv_cache not in ("paged", "dense"):
-            raise ValueError(f"kv_cache must be 'paged' or 'dense', got {kv_cache!r}")
+        if kv_cache not in ("paged", "dense", "auto"):
+            raise ValueError(f"kv_cache must be 'paged', 'dense' or 'auto', got {kv_cache!r}")
+        kv_cache = kv_slots.resolve_kind(kv_cache)
         self.config = model.config
         self.tokenizer = tokenizer
         self.tokenizer_path = tokenizer_path

@@ -34,6 +34,7 @@ def new_cache(config: Any, num_slots: int, max_len: int, *, kind: str = "dense",
     sharded layout when a mesh is given.
     """
     c = config
+    kind = resolve_kind(kind)
     if kind == "dense":
         args = (c.num_layers, num_slots, max_len, c.num_kv_heads, c.head_dim, c.jnp_dtype)
         return (DenseKVCache.init_on_mesh(mesh, *args) if mesh is not None
@@ -43,6 +44,18 @@ def new_cache(config: Any, num_slots: int, max_len: int, *, kind: str = "dense",
     k, v = init_pools(c.num_layers, c.num_kv_heads, n, page_size, c.head_dim, c.jnp_dtype)
     return PagedKVCache(pg.init(n, num_slots, max_pages, page_size), k, v,
                         jnp.arange(num_slots, dtype=jnp.int32), attn_impl)
+
+
+def resolve_kind(kind: str) -> str:
+    """``auto`` -> the cache that decodes faster here: ``paged`` on TPU/GPU (Pallas paged
+    attention, no full-length rows), ``dense`` on CPU (``tppo bench decode`` measures the
+    dense cache faster there: the reference paged kernel gathers every page) and across
+    hosts (the paged pool is single-host)."""
+    if kind != "auto":
+        return kind
+    if jax.process_count() > 1 or jax.default_backend() == "cpu":
+        return "dense"
+    return "paged"
 
 
 def is_paged(cache: Cache) -> bool:

@@ -105,7 +105,8 @@ class TruncatedRolloutScheduler:
       kv_policy: ``keep`` reuses the cache computed under older weights; ``reprefill``
         recomputes every continuing row's cache under the current weights (exact).
       mesh: lay the KV cache out on this mesh (slots split over data/fsdp).
-      kv_cache: ``dense`` (one ``[S]`` row per slot) or ``paged`` (a shared pool of
+      kv_cache: ``dense`` (one ``[S]`` row per slot), ``auto`` (``kv_slots.resolve_kind``) or
+        ``paged`` (a shared pool of
         ``num_pages`` pages of ``page_size`` tokens; 0 = enough for every slot at full
         length). When the pool is short, continuations get their pages first and fewer
         fresh prompts are admitted (their slots sit idle this step); no live page is
@@ -117,7 +118,7 @@ class TruncatedRolloutScheduler:
                  group_size: int, max_prompt_len: int, max_response_len: int, window: int,
                  eos_ids: tuple[int, ...], sampling: SamplingParams,
                  kv_policy: Literal["keep", "reprefill"], seed: int = 0, mesh: Any = None,
-                 kv_cache: Literal["dense", "paged"] = "dense", page_size: int = 16,
+                 kv_cache: Literal["auto", "dense", "paged"] = "dense", page_size: int = 16,
                  num_pages: int = 0) -> None:
         self.prompts = prompts
         self.encode_prompt = encode_prompt
@@ -125,7 +126,7 @@ class TruncatedRolloutScheduler:
         self.B_global = slots
         self.B = slots // jax.process_count()  # slots this host manages
         if jax.process_count() > 1:
-            if mesh is None or kv_cache != "dense":
+            if mesh is None or kv_cache == "paged":
                 raise ValueError("several processes need a mesh and the dense KV cache")
             check_batch_layout(mesh, slots)
         self.P, self.L = max_prompt_len, max_response_len
@@ -133,7 +134,7 @@ class TruncatedRolloutScheduler:
         self.K = -(-max_response_len // self.window)
         self.S = max_prompt_len + max_response_len
         self.kv_policy = kv_policy
-        self.kv_cache = kv_cache
+        self.kv_cache = kv_cache = kv_slots.resolve_kind(kv_cache)
         self.mesh = mesh
         self.engine = TPPOEngine(model, None, max_slots=slots, max_target_length=self.S,
                                  kv_cache=kv_cache, page_size=page_size, num_pages=num_pages,

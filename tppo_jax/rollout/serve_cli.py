@@ -120,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             model, tok, max_slots=args.slots, page_size=args.page_size or r.page_size,
             max_target_length=max(prefill, r.max_prompt_len) + r.max_response_len,
             max_prefill_length=prefill, tokenizer_path=tok_path, strict_insert=False,
-            num_pages=r.num_pages or None,
+            num_pages=r.num_pages, kv_cache=r.kv_cache,
             sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
         server = EngineServer(engine, host=args.host or LOOPBACK_HOST, port=args.port).start()
         stop = threading.Event()
