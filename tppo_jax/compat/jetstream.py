@@ -70,7 +70,8 @@ def bind_host(host: str = LOOPBACK_HOST) -> None:
 def install() -> None:
     _install_tree_map()
     _install_seqio_stub()
-    bind_host(LOOPBACK_HOST)
+    bind_host(LOOPBACK_HOST)  # imports the orchestrator, which sets up root logging...
+    quiet_logging()  # ...so undo that at once (its handler holds the import-time stdout)
 
 
 def quiet_logging() -> None:

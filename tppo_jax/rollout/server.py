@@ -101,7 +101,15 @@ class PromptAsSentDriver(orchestrator.Driver):
 
     def _process_prefill_content(self, request: Any, tokenizer: Any, is_bos: bool,
                                  max_prefill_length: int) -> tuple[Any, int]:
-        return super()._process_prefill_content(request, tokenizer, False, max_prefill_length)
+        content = request.prefill_content
+        if isinstance(content, str):
+            return tokenizer.encode(content, is_bos=False, max_prefill_length=max_prefill_length,
+                                    jax_padding=self._jax_padding)
+        # (JetStream's own path needs an array here once is_bos is False.)
+        return token_utils.pad_tokens(np.asarray(content, np.int32), tokenizer.bos_id,
+                                      tokenizer.pad_id, is_bos=False,
+                                      max_prefill_length=max_prefill_length,
+                                      jax_padding=self._jax_padding)
 
 
 def validate_request(request: jetstream_pb2.DecodeRequest, vocab_size: int,
