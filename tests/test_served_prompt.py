@@ -21,12 +21,8 @@ from tppo_jax.models.hf import from_pretrained
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.engine import TPPOEngine
-from tppo_jax.rollout.server import (
-    EngineServer,
-    JetStreamTokenizer,
-    PromptAsSentDriver,
-    encode_request_text,
-)
+from tppo_jax.rollout.server import EngineServer, PromptAsSentDriver
+from tppo_jax.rollout.tokenizer_adapter import JetStreamTokenizer, encode_request_text
 
 FIXTURE = __import__("pathlib").Path(__file__).parent / "fixtures" / "hf" / "llama"
 

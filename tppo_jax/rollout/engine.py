@@ -36,6 +36,7 @@ from jetstream.engine import engine_api, tokenizer_pb2
 from tppo_jax.rollout import kv_slots
 from tppo_jax.rollout import pages as pg
 from tppo_jax.rollout.decode import SamplingParams, decode_window, prefill
+from tppo_jax.rollout.tokenizer_adapter import JetStreamTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +221,7 @@ class TPPOEngine(engine_api.Engine):
         return tokenizer_pb2.TokenizerParameters(path=self.tokenizer_path)
 
     def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> Any:
-        """A ``server.JetStreamTokenizer`` over our tokenizer, stopping on ``eos_ids``."""
-        from tppo_jax.rollout.server import JetStreamTokenizer
-
+        """A ``JetStreamTokenizer`` over our tokenizer, stopping on ``eos_ids``."""
         return JetStreamTokenizer(self.tokenizer, self.eos_ids)
 
     # ------------------------------------------------------------------ params / state
