@@ -10,8 +10,8 @@ import pytest
 from tppo_jax.algo import gae
 from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.models.tokenizer import Tokenizer, train_sentencepiece
-from tppo_jax.rewards.process import process_rewards
-from tppo_jax.rewards.steps import step_token_ends, verify_solution
+from tppo_jax.rewards.process import process_rewards, step_token_ends
+from tppo_jax.rewards.step_verifier import verify_solution
 
 WRONG = "12 + 7 = 19\n19 * 2 = 36\n36 + 4 = 40\n\\boxed{40}"  # step 1 is wrong (38)
 RIGHT = "12 + 7 = 19\n19 * 2 = 38\n38 + 4 = 42\n\\boxed{42}"

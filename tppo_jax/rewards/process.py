@@ -13,16 +13,19 @@ Modes:
 
 A step whose end token lies at or beyond ``response_len`` (the response was cut before it ended)
 gets nothing: the tokens that would carry the reward do not exist in this row.
+
+``step_token_ends`` finds those tokens: the token holding each step's last character, by prefix
+decodes, so it works for byte-level BPE where tokens and characters do not align.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
-from tppo_jax.rewards.steps import StepReport
+from tppo_jax.rewards.step_verifier import StepReport
 
 Mode = Literal["none", "first_error", "per_step"]
 MODES: tuple[str, ...] = ("none", "first_error", "per_step")
@@ -43,7 +46,7 @@ def process_rewards(
     Args:
       reports: one :class:`StepReport` per row (``verify_solution`` of the decoded response).
       token_ends: per row, per step of its report, the response-token index holding the step's
-        last character (``steps.step_token_ends``).
+        last character (``step_token_ends``).
       response_len: ``[B]`` number of valid response tokens per row.
       mode / penalty / step_bonus: see the module docstring (``penalty`` is negative).
       num_tokens: ``T`` of the output (default ``max(response_len)``), to match a padded batch.
@@ -82,3 +85,39 @@ def process_rewards(
                 elif s.verdict == "invalid":
                     put(i, penalty)
     return out
+
+
+# ------------------------------------------------------------------------- token alignment
+def char_to_token_index(text: str, char_pos: int, tokenizer: Any,
+                        ids: Sequence[int] | None = None) -> int:
+    """Index of the token of ``ids`` (default ``tokenizer.encode(text)``) containing ``char_pos``.
+
+    Uses prefix decodes (``len(decode(ids[:k]))``, binary search), so it works for any tokenizer
+    with ``decode``, including byte-level BPE where tokens and characters do not align. A position
+    past the end maps to the last token. ``text`` should be ``decode(ids)``.
+    """
+    if ids is None:
+        ids = tokenizer.encode(text)
+    ids = list(ids)
+    if not ids:
+        raise ValueError("no tokens")
+    lo, hi = 1, len(ids)  # smallest k with len(decode(ids[:k])) > char_pos
+    if len(tokenizer.decode(ids)) <= char_pos:
+        return len(ids) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer.decode(ids[:mid])) > char_pos:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo - 1
+
+
+def step_token_ends(report: StepReport, text: str, tokenizer: Any,
+                    ids: Sequence[int] | None = None) -> list[int]:
+    """For every step of ``report`` (from ``verify_solution(text)``), the index of the token that
+    holds its last character -- the ``token_ends`` row ``process_rewards`` expects."""
+    if ids is None:
+        ids = tokenizer.encode(text)
+    return [char_to_token_index(text, max(s.char_end - 1, 0), tokenizer, ids)
+            for s in report.steps]

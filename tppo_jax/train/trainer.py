@@ -169,8 +169,8 @@ def batch_arrays(rb: RolloutBatch, reward: np.ndarray, mesh,
 def step_process_rewards(cfg: Config, tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray
                          ) -> tuple[np.ndarray, float]:
     """Dense ``[B, S]`` process rewards for finished ``rows`` and their all-steps-valid rate."""
-    from tppo_jax.rewards.process import process_rewards
-    from tppo_jax.rewards.steps import step_token_ends, verify_solution
+    from tppo_jax.rewards.process import process_rewards, step_token_ends
+    from tppo_jax.rewards.step_verifier import verify_solution
 
     out = np.zeros(rb.tokens.shape, np.float32)
     valid = []

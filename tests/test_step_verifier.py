@@ -9,15 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tppo_jax.data.synthetic import SyntheticMathTask
-from tppo_jax.rewards.steps import (
-    Uncheckable,
-    char_to_token_index,
-    extract_claims,
-    parse_side,
-    split_steps,
-    step_token_ends,
-    verify_solution,
-)
+from tppo_jax.rewards.expr_parser import Uncheckable, parse_side
+from tppo_jax.rewards.process import char_to_token_index, step_token_ends
+from tppo_jax.rewards.step_verifier import extract_claims, split_steps, verify_solution
 
 
 def verdicts(text: str) -> list[str]:
