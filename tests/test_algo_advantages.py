@@ -1,4 +1,4 @@
-"""GAE / EGAE / MC returns / length-adaptive lambda against SPEC worked numbers and properties."""
+"""GAE / EGAE / MC returns / length-adaptive lambda vs docs/algorithm.md numbers and properties."""
 
 import hypothesis.strategies as st
 import jax

@@ -1,4 +1,4 @@
-"""Masks, whitening and losses: SPEC sections 3, 4 and 7."""
+"""Masks, whitening and losses: docs/algorithm.md sections 3, 4 and 7."""
 
 import hypothesis.strategies as st
 import jax

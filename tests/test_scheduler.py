@@ -1,4 +1,4 @@
-"""TruncatedRolloutScheduler invariants (SPEC section 7) with a real tiny policy."""
+"""TruncatedRolloutScheduler invariants (docs/algorithm.md section 7) with a real tiny policy."""
 
 import itertools
 

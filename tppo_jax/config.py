@@ -73,7 +73,7 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class AlgoConfig:
-    """T-PPO / VAPO knobs (SPEC sections 2-5)."""
+    """T-PPO / VAPO knobs (docs/algorithm.md sections 2-5)."""
 
     gamma: float = 1.0
     lam_policy: float = 0.95

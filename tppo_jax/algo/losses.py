@@ -1,4 +1,4 @@
-"""PPO losses with VAPO/DAPO options (SPEC section 4), pure ``jax.numpy``.
+"""PPO losses with VAPO/DAPO options (docs/algorithm.md section 4), pure ``jax.numpy``.
 
 Every loss takes per-token ``[B, T]`` arrays and a ``[B, T]`` mask and returns a
 scalar plus a dict of scalar diagnostics.

@@ -1,4 +1,4 @@
-"""Token masks for T-PPO's token filtering (SPEC section 3), whitening and clamping.
+"""Token masks for T-PPO's token filtering (docs/algorithm.md section 3), whitening and clamping.
 
 Rows are sequences laid out as ``[prompt | earlier windows | current window | pad]``
 along a length-``T`` axis. Per row we know ``prompt_len``, ``window_start`` (index of

@@ -1,7 +1,7 @@
 """Value model (critic): the decoder backbone plus a scalar head per token.
 
 ``values[b, t]`` is V(s_t) read at the position whose hidden state *predicts* token t+1,
-i.e. the same indexing as the policy's logits (SPEC section 1). The critic never shares
+i.e. the same indexing as the policy's logits (docs/algorithm.md section 1). The critic never shares
 parameters (or buffers) with the policy: ``from_policy`` copies the backbone arrays.
 """
 

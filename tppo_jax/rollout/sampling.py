@@ -1,6 +1,6 @@
 """Token sampling for rollouts: temperature, top-k, top-p (nucleus), greedy; per-slot RNG.
 
-Log-prob convention (SPEC: logp_old = log-prob under the policy that sampled the token):
+Log-prob convention (docs/algorithm.md section 4: logp_old = log-prob under the sampling policy):
   logprob = log_softmax(logits / temperature)[token]
 i.e. the temperature-scaled *full* softmax. Top-k / top-p truncation is NOT included, as in verl:
 the trainer recomputes log_softmax(logits / temperature) for the PPO ratio, so recording the

@@ -1,4 +1,4 @@
-"""TruncatedRolloutScheduler: successive batching over B constant decode slots (SPEC 5).
+"""TruncatedRolloutScheduler: successive batching over B decode slots (docs/algorithm.md section 5).
 
 Each ``step()``:
 1. fills empty slots with fresh prompts, G samples per prompt (continuations never

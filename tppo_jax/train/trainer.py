@@ -1,4 +1,4 @@
-"""The T-PPO training loop (SPEC section 5), composed from the pieces below it.
+"""The T-PPO training loop (docs/algorithm.md section 5), composed from the pieces below it.
 
 ``train()`` reads top to bottom: set up (warm-start, models, optimizers, scheduler,
 grader, checkpoints), evaluate, then per step: rollout window -> grade finished rows ->
