@@ -162,14 +162,26 @@ def big_writes(comps: dict[str, Computation], entry: str,
             if ins.opcode in _NO_DATA:
                 continue
             op = _effective_root(comps, ins)
+            upd = _update_of(comps, cname, ins, op)
+            small_update = upd is not None and not any(_contains(u, dims) for _, u in upd.arrays)
             for dt, shape in ins.arrays:
-                inplace = op.opcode in _UPDATES and len(ins.arrays) == 1
-                if inplace or not _contains(shape, dims):
+                if small_update or not _contains(shape, dims):
                     continue
                 out["in_loop" if in_loop else "outside_loop"].append(
                     {"name": ins.name, "op": op.opcode, "shape": list(shape),
                      "bytes": _nbytes(dt, shape)})
     return out
+
+
+def _update_of(comps: dict[str, Computation], cname: str, ins: Instr, op: Instr) -> Instr | None:
+    """The update operand of an in-place ``dynamic-update-slice`` / ``scatter`` (``ins`` itself
+    or a fusion rooted at one), or None for any other instruction."""
+    if op.opcode not in _UPDATES or len(ins.arrays) != 1:
+        return None
+    pos = 1 if op.opcode == "dynamic-update-slice" else 2
+    fused = comps.get(ins.called[0]) if ins.opcode == "fusion" and ins.called else None
+    scope = {i.name: i for i in (fused.instrs if fused else comps[cname].instrs)}
+    return scope.get(op.operands[pos]) if len(op.operands) > pos else None
 
 
 def inplace_scatter_bytes(comps: dict[str, Computation], entry: str) -> int:
@@ -181,9 +193,7 @@ def inplace_scatter_bytes(comps: dict[str, Computation], entry: str) -> int:
             op = _effective_root(comps, ins)
             if op.opcode != "scatter" or len(ins.arrays) != 1:
                 continue
-            fused = comps.get(ins.called[0]) if ins.opcode == "fusion" else None
-            shapes = {i.name: i for i in (fused.instrs if fused else comps[cname].instrs)}
-            upd = shapes.get(op.operands[2]) if len(op.operands) > 2 else None
+            upd = _update_of(comps, cname, ins, op)
             total += 2 * ins.nbytes - 2 * (upd.nbytes if upd else 0)
     return total
 
@@ -205,3 +215,42 @@ def compile_fn(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) ->
     """``fn`` must be a ``jax.jit``-ed callable; returns its compiled executable for these
     (concrete or ``ShapeDtypeStruct``) arguments."""
     return fn.lower(*args, **(kwargs or {})).compile()
+
+
+def decode_report(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
+                  layer_dims: tuple[int, ...], weight_bytes: int, kv_bytes: int) -> dict:
+    """Cost and copy structure of a jitted window decode (a ``while`` loop of decode steps).
+
+    Args:
+      fn, args, kwargs: the jitted window decode and its arguments (nothing is executed).
+      layer_dims: shape of one layer's K (or V) cache, e.g. ``(B, S, Hkv, D)``; a buffer
+        holding a whole such tensor written inside the loop is a per-step cache copy.
+      weight_bytes: bytes of all parameters; kv_bytes: bytes of K and V the attention of one
+        step must read (the whole allocated dense cache; the live pages for a paged one).
+
+    Returns: ``{"flops", "bytes_accessed", "bytes_per_step", "bytes_vs_weights_plus_kv",
+    "cache_writes_per_step", "cache_writes_per_call", ...memory plan}``; ``bytes_per_step``
+    is XLA's count less the in-place scatter overcharge (see the module docstring), and
+    includes what runs once per call (prefix/epilogue, cache copy when not donated).
+    """
+    compiled = compile_fn(fn, args, kwargs)
+    out = cost(compiled)
+    comps, entry = parse_hlo(compiled.as_text())
+    writes = big_writes(comps, entry, layer_dims)
+    out["bytes_per_step"] = out["bytes_accessed"] - inplace_scatter_bytes(comps, entry)
+    out["weight_bytes"], out["kv_bytes"] = int(weight_bytes), int(kv_bytes)
+    out["bytes_vs_weights_plus_kv"] = out["bytes_per_step"] / max(weight_bytes + kv_bytes, 1)
+    out["cache_writes_per_step"] = writes["in_loop"]
+    out["cache_writes_per_call"] = writes["outside_loop"]
+    return out
+
+
+def train_report(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
+                 n_params: int, tokens: int) -> dict:
+    """FLOPs of a jitted train step against the ``6 * N * tokens`` estimate (forward 2N,
+    backward 4N per token; attention and recomputation come on top). Loops (``scan``) are
+    counted once by XLA, so keep them single-trip when comparing."""
+    out = cost(compile_fn(fn, args, kwargs))
+    out["six_n_tokens"] = 6.0 * n_params * tokens
+    out["flops_vs_6n"] = out["flops"] / out["six_n_tokens"]
+    return out
