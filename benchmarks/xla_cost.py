@@ -217,12 +217,13 @@ def compile_fn(fn: Callable, args: Sequence[Any], kwargs: dict | None = None) ->
     return fn.lower(*args, **(kwargs or {})).compile()
 
 
-def decode_report(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
-                  layer_dims: tuple[int, ...], weight_bytes: int, kv_bytes: int) -> dict:
-    """Cost and copy structure of a jitted window decode (a ``while`` loop of decode steps).
+def decode_report(compiled: Any, *, layer_dims: tuple[int, ...], weight_bytes: int,
+                  kv_bytes: int) -> dict:
+    """Cost and copy structure of a compiled window decode (a ``while`` loop of decode steps).
 
     Args:
-      fn, args, kwargs: the jitted window decode and its arguments (nothing is executed).
+      compiled: ``compile_fn(jitted_window_decode, args)`` (whatever module the decode lives
+        in; nothing is executed).
       layer_dims: shape of one layer's K (or V) cache, e.g. ``(B, S, Hkv, D)``; a buffer
         holding a whole such tensor written inside the loop is a per-step cache copy.
       weight_bytes: bytes of all parameters; kv_bytes: bytes of K and V the attention of one
@@ -233,7 +234,6 @@ def decode_report(fn: Callable, args: Sequence[Any], kwargs: dict | None = None,
     is XLA's count less the in-place scatter overcharge (see the module docstring), and
     includes what runs once per call (prefix/epilogue, cache copy when not donated).
     """
-    compiled = compile_fn(fn, args, kwargs)
     out = cost(compiled)
     comps, entry = parse_hlo(compiled.as_text())
     writes = big_writes(comps, entry, layer_dims)
@@ -245,12 +245,11 @@ def decode_report(fn: Callable, args: Sequence[Any], kwargs: dict | None = None,
     return out
 
 
-def train_report(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
-                 n_params: int, tokens: int) -> dict:
-    """FLOPs of a jitted train step against the ``6 * N * tokens`` estimate (forward 2N,
+def train_report(compiled: Any, *, n_params: int, tokens: int) -> dict:
+    """FLOPs of a compiled train step against the ``6 * N * tokens`` estimate (forward 2N,
     backward 4N per token; attention and recomputation come on top). Loops (``scan``) are
     counted once by XLA, so keep them single-trip when comparing."""
-    out = cost(compile_fn(fn, args, kwargs))
+    out = cost(compiled)
     out["six_n_tokens"] = 6.0 * n_params * tokens
     out["flops_vs_6n"] = out["flops"] / out["six_n_tokens"]
     return out

@@ -28,7 +28,6 @@ from jax.sharding import Mesh
 from tppo_jax.models.cache import DenseKVCache, KVCache, causal_padding_mask, gqa_attention
 from tppo_jax.parallel.mesh import named_sharding
 
-
 # ModelConfig.remat_policy -> jax.checkpoint policy (None = save nothing but the inputs).
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
