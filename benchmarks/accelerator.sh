@@ -39,8 +39,8 @@ then
   log "installed tppo-jax from $repo (dependencies from the package index)"
 elif [[ -d "$wheels" ]]; then
   log "no package index; installing from $wheels"
-  install --no-index --find-links "$wheels" "setuptools>=61" ||
-    die "$wheels lacks setuptools (see gpu.sh for how to fill it)"
+  install --no-index --find-links "$wheels" "setuptools>=61" wheel ||
+    die "$wheels lacks setuptools or wheel (see gpu.sh for how to fill it)"
   install --no-index --find-links "$wheels" --no-build-isolation "$repo" ||
     die "offline install from $wheels failed (see gpu.sh for how to fill it)"
 else
