@@ -200,6 +200,14 @@ def run(args: argparse.Namespace) -> dict:
             t["mfu"] = 6.0 * t["params"] * t["tokens_per_s"] / flops
         out["peaks"] = {"bf16_flops": flops, "hbm_bytes_per_s": bw}
     out["hf_generate"] = _hf(args)
+    out["notes"] = [
+        "xla.*: XLA's compiled-program analysis (benchmarks/xla_cost.py); a while/scan body "
+        "is counted once, so decode bytes are per step and the chunked log-prob head in the "
+        "train FLOPs is counted for one chunk",
+    ]
+    if out["backend"] == "cpu" and args.dtype == "bfloat16":
+        out["notes"].append("XLA:CPU emulates bf16 by converting whole buffers: read the "
+                            "decode proxies from a --dtype float32 run")
     path = Path(args.out) / f"accelerator_{jax.default_backend()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
