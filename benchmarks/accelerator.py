@@ -1,15 +1,21 @@
 """Decode throughput vs the memory-bandwidth roofline and train-step MFU on an accelerator.
 
-A ~0.5B Qwen2-shaped random model in bf16 (``--arch qwen2-0.5b``), batch 256:
-- decode: one jitted window of ``--new-tokens`` greedy tokens (``rollout.generate``, dense
-  KV cache, ``lax.while_loop``); roofline = bytes a step must read (all weights + the live
-  KV cache) / peak HBM bandwidth;
-- train: one jitted ``policy_update`` (forward + backward + AdamW) on ``--train-batch`` x
-  ``--train-len`` tokens; MFU = 6 * params * tokens/s / peak bf16 FLOP/s.
+A random Qwen2-shaped model (``--arch qwen2-0.5b``: Qwen2.5-0.5B sizes, bf16) at batch 256:
+- decode: one jitted window of ``--new-tokens`` greedy tokens (``rollout.generate``'s window
+  decode: dense KV cache, ``lax.while_loop``), the cache donated; prefill timed apart.
+  Roofline = bytes a step must read (all weights + the live KV cache) / peak HBM bandwidth;
+- train: one jitted ``policy_update`` and one ``value_update`` (forward + backward + AdamW) on
+  ``--train-batch`` x ``--train-len`` tokens; MFU = 6 * params * tokens/s / peak bf16 FLOP/s;
+- XLA proxies (``xla_cost``; the same numbers on any backend, so CPU runs check them): the
+  compiled decode's bytes per step vs weights + KV and the cache-sized buffers it writes per
+  step / per call, with and without donating the cache; the train steps' FLOPs vs 6N;
+- baseline: ``transformers.generate`` (greedy; static and dynamic cache) on the same random
+  shape when torch and transformers import (``benchmarks/hf_baseline.py``), else skipped.
 
 Peaks come from a table keyed by ``jax.devices()[0].device_kind``; unknown devices report raw
-numbers only. ``benchmarks/gpu.sh`` runs this on a fresh GPU/TPU machine in < 5 minutes;
-``--arch tiny`` runs anywhere (CPU smoke check).
+numbers only. ``benchmarks/gpu.sh`` / ``tpu.sh`` run this on an accelerator machine in < 5
+minutes; ``--arch tiny`` runs anywhere (CPU smoke check). Writes
+``<out>/accelerator_<backend>.json``.
 
     tppo bench accelerator --arch qwen2-0.5b --batch 256
 """
@@ -18,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import time
+from importlib import metadata
 from pathlib import Path
 
 # device_kind substring -> (peak bf16 dense FLOP/s, peak HBM bytes/s)
@@ -27,87 +35,212 @@ PEAKS = {
     "TPU v5p": (459e12, 2.765e12), "TPU v5 lite": (197e12, 0.819e12),
     "TPU v4": (275e12, 1.2e12), "TPU v6": (918e12, 1.64e12),
 }
+_PACKAGES = ("jax", "jaxlib", "flax", "optax", "numpy", "tppo-jax", "torch", "transformers")
 
 
 def _peaks(kind: str) -> tuple[float, float] | None:
     return next((v for k, v in PEAKS.items() if k.lower() in kind.lower()), None)
 
 
-def run(args: argparse.Namespace) -> dict:
+def versions() -> dict:
+    """Python, installed package versions (None when absent) and jax's backend plugins."""
+    out: dict = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    out["jax_plugins"] = sorted(d.metadata["Name"] for d in metadata.distributions()
+                                if d.metadata["Name"] and "jax" in d.metadata["Name"].lower()
+                                and ("plugin" in d.metadata["Name"].lower()
+                                     or "libtpu" in d.metadata["Name"].lower()))
+    return out
+
+
+def _nbytes(tree) -> int:
+    import jax
+
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def window_decode(model, b: int, s: int, window: int, *, donate: bool):
+    """A jitted pure window decode ``f(state, cache, last, total_len, budget, active, rng,
+    slot_ids, step)`` of ``model`` (greedy; ``donate`` donates the cache argument)."""
+    import jax
+    from flax import nnx
+
+    from tppo_jax.rollout.generate import SamplingParams, decode_window
+
+    graphdef = nnx.graphdef(model)
+
+    def f(state, cache, *rest):
+        return decode_window(nnx.merge(graphdef, state), cache, *rest, window=window,
+                             eos_id=-1, params=SamplingParams(greedy=True))
+
+    return jax.jit(f, donate_argnums=(1,) if donate else ())
+
+
+def decode_section(model, cfg, args) -> dict:
+    """Prefills a random batch, then times (and analyses) one donated window decode."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-    from tppo_jax.benchmarks.intensity import ARCHS
+    from tppo_jax.benchmarks import xla_cost
 
-    from tppo_jax.config import AlgoConfig, OptimConfig
-    from tppo_jax.models.transformer import create_model
-    from tppo_jax.rollout.generate import SamplingParams, prefill_and_decode
-    from tppo_jax.train.step import StepConfig, make_optimizer, policy_update
+    from tppo_jax.rollout.generate import prefill
 
-    cfg = ARCHS[args.arch].model_config(args.dtype, remat=True)
-    v, n, hkv, d = cfg.vocab_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-    model = create_model(cfg, seed=0)
-    params = nnx.to_pure_dict(nnx.state(model))
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    kind = jax.devices()[0].device_kind
-    out: dict = {"device": kind, "backend": jax.default_backend(), "arch": args.arch,
-                 "params": n_params, "dtype": args.dtype}
-    rng = np.random.default_rng(0)
-
-    # ---- decode ------------------------------------------------------------------------
     b, p, new = args.batch, args.prompt_len, args.new_tokens
     s = p + new + 1
-    tokens = jnp.asarray(rng.integers(4, v, size=(b, s)), jnp.int32)
+    state = nnx.state(model)
+    toks = jnp.asarray(np.random.default_rng(0).integers(4, cfg.vocab_size, (b, s)), jnp.int32)
     lens = jnp.full((b,), p, jnp.int32)
-
-    def decode_once():
-        cache = model.init_cache(b, s)
-        res, _ = prefill_and_decode(
-            model, cache, tokens, lens, jnp.ones(b, bool), jnp.ones(b, bool),
-            jnp.full(b, new, jnp.int32), jax.random.key(0), jnp.arange(b, dtype=jnp.uint32),
-            jnp.int32(0), window=new, eos_id=-1, params=SamplingParams(greedy=True))
-        return jax.block_until_ready(res.count)
-
-    decode_once()  # compile
+    pre = nnx.jit(prefill)
+    rest = (toks[:, p - 1], lens, jnp.full((b,), new, jnp.int32), jnp.ones(b, bool),
+            jax.random.key(0), jnp.arange(b, dtype=jnp.uint32), jnp.int32(0))
+    cache = pre(model, model.init_cache(b, s), toks, lens, jnp.ones(b, bool))
+    layer = (b, s, cfg.num_kv_heads, cfg.head_dim)
+    weights, kv_all = _nbytes(state), _nbytes((cache.k, cache.v))
+    proxies = {}
+    for donate in (False, True):
+        compiled = xla_cost.compile_fn(window_decode(model, b, s, new, donate=donate),
+                                       (state, cache, *rest))
+        proxies["donated" if donate else "not_donated"] = xla_cost.decode_report(
+            compiled, layer_dims=layer, weight_bytes=weights, kv_bytes=kv_all)
     t0 = time.perf_counter()
-    decode_once()
-    dt = time.perf_counter() - t0
-    # Prefill is included in dt; it is small next to `new` sequential decode steps.
-    bytes_w = n_params * (2 if args.dtype == "bfloat16" else 4)
-    kv_mean = (p + new / 2) * b * n * 2 * hkv * d * (2 if args.dtype == "bfloat16" else 4)
-    out["decode"] = {"batch": b, "new_tokens": new, "seconds": dt, "tokens_per_s": b * new / dt,
-                     "bytes_per_step": bytes_w + kv_mean}
-    # ---- train step ----------------------------------------------------------------------
+    jax.block_until_ready(pre(model, model.init_cache(b, s), toks, lens, jnp.ones(b, bool)))
+    prefill_s = time.perf_counter() - t0
+    secs = []
+    for _ in range(2):  # the first call may still pay one-time transfers
+        cache = jax.block_until_ready(pre(model, model.init_cache(b, s), toks, lens,
+                                          jnp.ones(b, bool)))
+        t0 = time.perf_counter()
+        out, cache = compiled(state, cache, *rest)
+        jax.block_until_ready(out.count)
+        secs.append(time.perf_counter() - t0)
+    dt = min(secs)
+    itemsize = jnp.dtype(cfg.dtype).itemsize
+    kv_live = (p + new / 2) * b * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return {"batch": b, "prompt_len": p, "new_tokens": new, "seconds": dt,
+            "prefill_seconds": prefill_s, "tokens_per_s": b * new / dt,
+            "step_ms": 1e3 * dt / new, "bytes_per_step": weights + kv_live,
+            "weight_bytes": weights, "xla": proxies}
+
+
+def train_section(model, kind: str, args) -> dict:
+    """Compiles, analyses and times one ``policy_update`` or ``value_update``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from tppo_jax.benchmarks import xla_cost
+
+    from tppo_jax.config import AlgoConfig, OptimConfig
+    from tppo_jax.train.step import StepConfig, make_optimizer, policy_update, value_update
+
     tb, tl = args.train_batch, args.train_len
-    gd = nnx.graphdef(model)
+    gd, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     optim = OptimConfig(warmup_steps=1, minibatches=1)
     tx = make_optimizer(1e-5, optim)
     scfg = StepConfig(algo=AlgoConfig(), optim=optim, window=tl, temperature=1.0)
-    toks = jnp.asarray(rng.integers(4, v, size=(tb, tl)), jnp.int32)
-    batch = {"tokens": toks, "attn": jnp.ones((tb, tl), bool),
-             "sample_logprobs": jnp.full((tb, tl), -2.0), "advantages": jnp.ones((tb, tl)),
-             "policy_mask": jnp.ones((tb, tl)), "positive_mask": jnp.zeros((tb, tl))}
+    rng = np.random.default_rng(1)
+    ones = jnp.ones((tb, tl))
+    batch = {"tokens": jnp.asarray(rng.integers(4, model.config.vocab_size, (tb, tl)),
+                                   jnp.int32), "attn": jnp.ones((tb, tl), bool)}
+    if kind == "policy":
+        step = policy_update
+        batch |= {"sample_logprobs": -2.0 * ones, "advantages": ones, "policy_mask": ones,
+                  "positive_mask": 0.0 * ones}
+    else:
+        step = value_update
+        batch |= {"values_old": 0.0 * ones, "returns": ones, "value_mask": ones}
     opt = tx.init(params)
-    params, opt, _ = policy_update(gd, params, opt, batch, tx=tx, cfg=scfg)  # compile
+    compiled = xla_cost.compile_fn(step, (gd, params, opt, batch), {"tx": tx, "cfg": scfg})
+    out = {"batch": tb, "seq": tl, "params": n_params,
+           "xla": xla_cost.train_report(compiled, n_params=n_params, tokens=tb * tl)}
+    params, opt, _ = compiled(params, opt, batch)  # warm-up (params/opt are donated)
     jax.block_until_ready(params)
     t0 = time.perf_counter()
-    params, opt, stats = policy_update(gd, params, opt, batch, tx=tx, cfg=scfg)
+    params, opt, _ = compiled(params, opt, batch)
     jax.block_until_ready(params)
     dt = time.perf_counter() - t0
-    out["train"] = {"batch": tb, "seq": tl, "seconds": dt, "tokens_per_s": tb * tl / dt}
+    out |= {"seconds": dt, "tokens_per_s": tb * tl / dt}
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jax
+    from flax import nnx
+    from tppo_jax.benchmarks.intensity import ARCHS
+
+    from tppo_jax.models.transformer import create_model
+    from tppo_jax.models.value import ValueModel
+
+    kind = jax.devices()[0].device_kind
+    remat = args.remat != "none"
+    cfg = ARCHS[args.arch].model_config(args.dtype, remat=remat,
+                                        remat_policy=args.remat if remat else "full")
+    out: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": kind,
+                 "device_count": jax.device_count(), "backend": jax.default_backend(),
+                 "arch": args.arch, "dtype": args.dtype, "remat": args.remat,
+                 "versions": versions()}
+    policy = create_model(cfg, seed=0)
+    out["decode"] = decode_section(policy, cfg, args)
+    out["params"] = out["decode"]["weight_bytes"] // jax.numpy.dtype(args.dtype).itemsize
+    out["train_policy"] = train_section(policy, "policy", args)
+    out["train_value"] = train_section(ValueModel(cfg, rngs=nnx.Rngs(1)), "value", args)
     peaks = _peaks(kind)
     if peaks:
         flops, bw = peaks
-        step_s = out["decode"]["seconds"] / new
-        out["decode"]["roofline_fraction"] = (out["decode"]["bytes_per_step"] / bw) / step_s
-        out["train"]["mfu"] = 6.0 * n_params * out["train"]["tokens_per_s"] / flops
+        d = out["decode"]
+        d["roofline_fraction"] = (d["bytes_per_step"] / bw) / (d["seconds"] / d["new_tokens"])
+        for k in ("train_policy", "train_value"):
+            t = out[k]
+            t["mfu"] = 6.0 * t["params"] * t["tokens_per_s"] / flops
         out["peaks"] = {"bf16_flops": flops, "hbm_bytes_per_s": bw}
+    out["hf_generate"] = _hf(args)
+    out["notes"] = [
+        "xla.*: XLA's compiled-program analysis (benchmarks/xla_cost.py); a while/scan body "
+        "is counted once, so decode bytes are per step and the chunked log-prob head in the "
+        "train FLOPs is counted for one chunk",
+    ]
+    if out["backend"] == "cpu" and args.dtype == "bfloat16":
+        out["notes"].append("XLA:CPU emulates bf16 by converting whole buffers: read the "
+                            "decode proxies from a --dtype float32 run")
     path = Path(args.out) / f"accelerator_{jax.default_backend()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
-    print(json.dumps(out, indent=2))
+    print(json.dumps(_summary(out), indent=2))
+    print(f"-> {path}")
     return out
+
+
+def _hf(args) -> dict:
+    """The transformers baseline, or why it was skipped (never fails the run)."""
+    if args.no_hf:
+        return {"skipped": "--no-hf"}
+    from tppo_jax.benchmarks import hf_baseline
+
+    try:
+        return hf_baseline.run(args.arch, args.batch, args.prompt_len, args.new_tokens,
+                               args.dtype)
+    except Exception as e:  # a broken torch install must not lose the jax numbers
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def _summary(out: dict) -> dict:
+    d, p, v = out["decode"], out["train_policy"], out["train_value"]
+    return {"device": out["device"], "decode_tokens_per_s": round(d["tokens_per_s"]),
+            "decode_step_ms": round(d["step_ms"], 3),
+            "roofline_fraction": d.get("roofline_fraction"),
+            "policy_tokens_per_s": round(p["tokens_per_s"]), "policy_mfu": p.get("mfu"),
+            "value_tokens_per_s": round(v["tokens_per_s"]), "value_mfu": v.get("mfu"),
+            "decode_bytes_vs_weights_plus_kv":
+                round(d["xla"]["donated"]["bytes_vs_weights_plus_kv"], 3),
+            "decode_cache_writes_per_step": len(d["xla"]["donated"]["cache_writes_per_step"]),
+            "policy_flops_vs_6n": round(p["xla"]["flops_vs_6n"], 3),
+            "hf_generate": out["hf_generate"]}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -118,6 +251,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--train-batch", type=int, default=16)
     p.add_argument("--train-len", type=int, default=1024)
+    p.add_argument("--remat", default="full", choices=["none", "full", "dots"],
+                   help="train-step rematerialisation (ModelConfig.remat_policy)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--out", default="results")
 
 

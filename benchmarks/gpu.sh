@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# Decode roofline fraction + train-step MFU of a ~0.5B Qwen2-shaped random model at batch 256
-# on a GPU or TPU machine (fits in 5 minutes). Installs jax for the accelerator on top of the
-# README install, then runs `tppo bench accelerator`; results land in results/accelerator_*.json.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-./install.sh
-if command -v nvidia-smi >/dev/null 2>&1; then
-  .venv/bin/python -m pip install -q "jax[cuda12]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')"
-elif [[ -e /dev/accel0 || -n "${TPU_NAME:-}" ]]; then
-  .venv/bin/python -m pip install -q "jax[tpu]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')"
-fi
-timeout 290 .venv/bin/tppo bench accelerator --arch qwen2-0.5b --batch 256 "$@"
+# Decode roofline fraction, train-step MFU (policy and value), XLA cost proxies and the
+# transformers baseline of a 0.5B Qwen2-shaped random model at batch 256 on a GPU machine,
+# in < 5 minutes; writes results/accelerator_gpu.json. Extra arguments go to
+# `tppo bench accelerator` (e.g. --arch tiny for a smoke run, --remat dots).
+#
+# Offline-safe: it uses the jax already installed for the machine's python (PYTHON, default
+# python3; never `pip install jax[...]`), in a venv with --system-site-packages
+# (TPPO_ACCEL_VENV, default .venv-accel), and installs tppo-jax (not editable) with jax
+# pinned to that version. When pip cannot reach an index (or TPPO_OFFLINE=1) it installs
+# from the wheel folder TPPO_WHEELS (default ./wheels). Fill that folder on an online machine
+# with the same OS, CPU architecture and Python version:
+#
+#   pip download -d wheels "setuptools>=61" wheel
+#   pip wheel -w wheels .                  # the project and every dependency, as wheels
+#
+# (or `pip download -d wheels --only-binary=:all: --python-version 3.11
+#  --platform manylinux2014_x86_64 <each dependency in pyproject.toml>` from another OS).
+# The jax wheels in the folder are ignored: the machine's jax satisfies the pin.
+# It runs from a temporary directory so the checkout never shadows the installed package.
+exec "$(dirname "$0")/accelerator.sh" "${TPPO_BACKEND:-gpu}" "$@"

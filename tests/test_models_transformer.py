@@ -109,15 +109,19 @@ def test_untied_and_no_bias_and_bf16():
 def test_bad_config():
     with pytest.raises(ValueError, match="multiple"):
         ModelConfig.tiny(num_kv_heads=3)
+    with pytest.raises(ValueError, match="remat_policy"):
+        ModelConfig.tiny(remat_policy="everything")
 
 
 def test_remat_gives_same_gradients():
     cfg = ModelConfig.tiny(vocab_size=V, num_layers=1)
     tok = _tokens(2, 6)
     grads = []
-    for remat in (False, True):
-        m = Transformer(dataclasses.replace(cfg, remat=remat), rngs=nnx.Rngs(0))
+    for remat, policy in ((False, "full"), (True, "full"), (True, "dots")):
+        m = Transformer(dataclasses.replace(cfg, remat=remat, remat_policy=policy),
+                        rngs=nnx.Rngs(0))
         g = nnx.jit(nnx.grad(lambda m: jnp.mean(m(tok) ** 2)))(m)
         grads.append(jax.tree.leaves(nnx.state(g)))
-    for a, b in zip(*grads, strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other, strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6)

@@ -53,6 +53,28 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """``gqa_attention`` for one query per row, reading the cache in its stored layout.
+
+    A dot_general over ``[B, S, Hkv, D]`` has its batch axis (kv head) between S and D, so
+    XLA transposes the whole layer's cache into a dot-friendly copy every step (seen in the
+    optimized HLO on CPU). With one query per row the products are matrix-vector work that
+    is bound by reading K and V, so multiply-and-reduce fusions that stream K and V once in
+    place are the roofline form.
+
+    Args: q ``[B, 1, Hq, D]``, k/v ``[B, S, Hkv, D]``, mask ``[B, 1, S]``.
+    Returns: ``[B, 1, Hq, D]`` in ``q.dtype``.
+    """
+    b, _, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, 1, hkv, hq // hkv, d).astype(jnp.float32) * (1.0 / jnp.sqrt(d))
+    scores = jnp.sum(qg * k.astype(jnp.float32)[:, :, :, None, :], axis=-1)  # [B, S, Hkv, G]
+    scores = jnp.where(mask[:, 0, :, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=1)
+    out = jnp.sum(probs[..., None] * v.astype(jnp.float32)[:, :, :, None, :], axis=1)
+    return out.reshape(b, 1, hq, d).astype(q.dtype)
+
+
 def causal_padding_mask(attention_mask: jax.Array | None, b: int, t: int) -> jax.Array:
     """``[B, T, T]`` mask for full-sequence attention: causal by index, keys must be valid.
 
@@ -165,14 +187,16 @@ class DenseKVCache:
         # padding never overwrites cached entries of the real sequence.
         slot = jnp.where(valid, positions, s_max)
         rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
-        layer_k = self.k[layer_idx].at[rows, slot].set(k.astype(self.k.dtype), mode="drop")
-        layer_v = self.v[layer_idx].at[rows, slot].set(v.astype(self.v.dtype), mode="drop")
-        new_k = self.k.at[layer_idx].set(layer_k)
-        new_v = self.v.at[layer_idx].set(layer_v)
+        new_k = self.k.at[layer_idx, rows, slot].set(k.astype(self.k.dtype), mode="drop")
+        new_v = self.v.at[layer_idx, rows, slot].set(v.astype(self.v.dtype), mode="drop")
+        layer_k, layer_v = new_k[layer_idx], new_v[layer_idx]
         # Slots <= the query position were all written by this sequence (prefix is contiguous),
         # so stale data from an earlier occupant of the row beyond that is never read.
         mask = jnp.arange(s_max)[None, None, :] <= positions[:, :, None]
-        out = gqa_attention(q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), mask)
+        if q.shape[1] == 1:
+            out = decode_attention(q, layer_k, layer_v, mask)
+        else:
+            out = gqa_attention(q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), mask)
         top = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)
         lengths = jnp.maximum(self.lengths, top)
         return out, self.replace(k=new_k, v=new_v, lengths=lengths)

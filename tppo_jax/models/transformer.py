@@ -28,6 +28,9 @@ from jax.sharding import Mesh
 from tppo_jax.models.cache import DenseKVCache, KVCache, causal_padding_mask, gqa_attention
 from tppo_jax.parallel.mesh import named_sharding
 
+# ModelConfig.remat_policy -> jax.checkpoint policy (None = save nothing but the inputs).
+REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -50,6 +53,12 @@ class ModelConfig:
     # Training-time option, not part of the HF config: recompute each decoder layer in the
     # backward pass (activation memory O(layers * B*T*H) instead of all intermediates).
     remat: bool = False
+    # What a rematerialised layer keeps from its forward pass (only with remat=True):
+    # "full" keeps only the layer input (recompute everything: ~8N FLOPs per token instead
+    # of 6N); "dots" also keeps the outputs of the weight matmuls (jax's
+    # dots_with_no_batch_dims_saveable: the backward recomputes only norms, activations and
+    # attention, for O(layers * B*T*(4H + 2I)) more activation memory).
+    remat_policy: str = "full"
 
     def __post_init__(self) -> None:
         # Stored as sorted item tuples so the config is hashable (NNX keeps it as static
@@ -62,6 +71,9 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"remat_policy={self.remat_policy!r}; expected one of "
+                             f"{sorted(REMAT_POLICIES)}")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -253,7 +265,8 @@ class Backbone(nnx.Module):
         mask = causal_padding_mask(attention_mask, b, t)
         inv_freq = rope_inv_freq(self.config)
         x = jnp.take(self.embed[...], tokens, axis=0)
-        run = nnx.remat(_run_layer) if self.config.remat else _run_layer
+        policy = REMAT_POLICIES[self.config.remat_policy]
+        run = nnx.remat(_run_layer, policy=policy) if self.config.remat else _run_layer
         for layer in self.layers:
             x = run(layer, x, positions, mask, inv_freq)
         return self.final_norm(x)

@@ -62,8 +62,9 @@ class PagedKVCache:
         positions/valid ``[B,T]`` -> (out ``[B,T,Hq,D]``, cache)."""
         positions = positions.astype(jnp.int32)
         valid = valid.astype(bool)
-        kp, vp = pg.write_kv(self.k[layer_idx], self.v[layer_idx], self.pages, self.slots,
-                             positions, k, v, valid)
+        k_all, v_all = pg.write_kv(self.k, self.v, self.pages, self.slots, positions, k, v,
+                                   valid, layer=layer_idx)
+        kp, vp = k_all[layer_idx], v_all[layer_idx]
         top = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)  # [B]
         slot_len = self.pages.slot_len.at[self.slots].max(top)
         pages = self.pages.replace(slot_len=slot_len)
@@ -76,6 +77,5 @@ class PagedKVCache:
         else:
             q_pos = jnp.where(valid, positions, -1)
             out = paged_attention_prefill(q, kp, vp, lengths, table, q_pos)
-        new = self.replace(pages=pages, k=self.k.at[layer_idx].set(kp),
-                           v=self.v.at[layer_idx].set(vp))
+        new = self.replace(pages=pages, k=k_all, v=v_all)
         return out.astype(q.dtype), new

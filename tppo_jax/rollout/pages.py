@@ -252,6 +252,7 @@ def write_kv(
     valid: Array | None = None,
     *,
     allow_shared: bool = False,
+    layer: int | None = None,
 ) -> tuple[Array, Array]:
     """Scatter new K/V into the pool at (slot, position).
 
@@ -284,6 +285,11 @@ def write_kv(
     # [B, T, Hkv, D] -> [Hkv, B, T, D] to line up with k_pages[:, page, off].
     k_t = jnp.moveaxis(k, 2, 0).astype(k_pages.dtype)
     v_t = jnp.moveaxis(v, 2, 0).astype(v_pages.dtype)
+    if layer is not None:
+        # Stacked [L, Hkv, N, ps, D] pools, written in place. The int and the index arrays
+        # are split by a slice, so the indexed view is [B, T, Hkv, D]: k as given.
+        return (k_pages.at[layer, :, page, off].set(k.astype(k_pages.dtype), mode="drop"),
+                v_pages.at[layer, :, page, off].set(v.astype(v_pages.dtype), mode="drop"))
     return (
         k_pages.at[:, page, off].set(k_t, mode="drop"),
         v_pages.at[:, page, off].set(v_t, mode="drop"),

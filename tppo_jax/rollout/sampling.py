@@ -108,7 +108,9 @@ def sample(
         greedy=True -> argmax. top_p=None and top_k=None (static) skip truncation entirely,
         avoiding the [B, V] sort; top_p=1.0 / top_k=0 disable them per row at run time.
       candidates: static; restrict truncation to the C most likely tokens (see
-        `truncation_mask`). Ignored when truncation is statically off.
+        `truncation_mask`). Ignored when truncation is statically off. A static Python int
+        top_k > 0 sets it to top_k (exact: top-k runs first), so only a top-p without a static
+        top-k sorts the whole vocabulary.
     Returns:
       tokens [B] int32, logprobs [B] f32 = log_softmax(logits / temperature)[token]
       (untruncated; see module docstring).
@@ -120,19 +122,32 @@ def sample(
     # Greedy rows use temperature 1 so the division is safe and the log-prob is well defined.
     t = jnp.where(is_greedy, 1.0, temperature)
     scaled = logits / t[:, None]
-    logp_full = jax.nn.log_softmax(scaled, axis=-1)
-    keys = _per_row_keys(rng, b)
-    draw = jax.vmap(jax.random.categorical)
-
-    if top_p is None and top_k is None:
-        sampled = draw(keys, scaled).astype(jnp.int32)
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy is True:
+        # Statically greedy: no [B, V] random draw or truncation at all.
+        tokens = greedy_tokens
     else:
-        order, sorted_logits, keep = truncation_mask(
-            scaled, 1.0 if top_p is None else top_p, 0 if top_k is None else top_k, candidates
-        )
-        choice = draw(keys, jnp.where(keep, sorted_logits, -jnp.inf)).astype(jnp.int32)
-        sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+        sampled = _draw(scaled, _per_row_keys(rng, b), top_p, top_k, candidates)
+        tokens = jnp.where(is_greedy, greedy_tokens, sampled)
+    # log_softmax(scaled)[token] without materialising the [B, V] log-softmax; the same
+    # arithmetic as jax.nn.log_softmax (shift by the max first), so the trainer's recomputed
+    # log-prob matches to the last bit on-policy.
+    top = jnp.max(scaled, axis=-1)
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - top
+    return tokens, picked - jnp.log(jnp.sum(jnp.exp(scaled - top[:, None]), axis=-1))
 
-    tokens = jnp.where(is_greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), sampled)
-    logprobs = jnp.take_along_axis(logp_full, tokens[:, None], axis=-1)[:, 0]
-    return tokens, logprobs
+
+def _draw(scaled: Array, keys: Array, top_p: ArrayOrScalar | None,
+          top_k: ArrayOrScalar | None, candidates: int | None) -> Array:
+    """[B] int32 tokens drawn from softmax(scaled) after optional top-k / top-p."""
+    draw = jax.vmap(jax.random.categorical)
+    if top_p is None and top_k is None:
+        return draw(keys, scaled).astype(jnp.int32)
+    if candidates is None and isinstance(top_k, int) and not isinstance(top_k, bool) \
+            and top_k > 0:
+        candidates = top_k
+    order, sorted_logits, keep = truncation_mask(
+        scaled, 1.0 if top_p is None else top_p, 0 if top_k is None else top_k, candidates
+    )
+    choice = draw(keys, jnp.where(keep, sorted_logits, -jnp.inf)).astype(jnp.int32)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]

@@ -1,0 +1,58 @@
+"""benchmarks/gpu.sh end to end on the CPU (TPPO_BACKEND=cpu, --arch tiny): it installs the
+checkout into its own venv, runs from outside the source tree and writes the results JSON."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--arch", "tiny", "--dtype", "float32", "--batch", "4", "--prompt-len", "8",
+        "--new-tokens", "8", "--train-batch", "2", "--train-len", "32"]
+
+
+def _check(res: dict) -> None:
+    assert res["backend"] == "cpu" and res["versions"]["jax"]
+    assert res["decode"]["tokens_per_s"] > 0 and res["decode"]["new_tokens"] == 8
+    for k in ("train_policy", "train_value"):
+        assert res[k]["tokens_per_s"] > 0 and 1.0 < res[k]["xla"]["flops_vs_6n"] < 2.5
+    xla = res["decode"]["xla"]
+    assert xla["donated"]["cache_writes_per_call"] == []
+    assert xla["not_donated"]["cache_writes_per_call"]
+    hf = res["hf_generate"]
+    assert "skipped" in hf or hf.get("static", {}).get("tokens_per_s", 0) > 0
+
+
+@pytest.mark.slow
+def test_gpu_script_cpu_path(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, TPPO_BACKEND="cpu",
+               TPPO_ACCEL_VENV=str(tmp_path / "venv"))
+    out = tmp_path / "results"
+    proc = subprocess.run([str(REPO / "benchmarks" / "gpu.sh"), *TINY, "--no-hf",
+                           "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check(json.loads((out / "accelerator_cpu.json").read_text()))
+
+
+@pytest.mark.slow  # ~40 s: creates a venv
+def test_gpu_script_refuses_the_wrong_backend(tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, TPPO_ACCEL_VENV=str(tmp_path / "venv"))
+    proc = subprocess.run([str(REPO / "benchmarks" / "gpu.sh")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "reports backend 'cpu', not 'gpu'" in proc.stderr
+
+
+@pytest.mark.slow
+def test_accelerator_bench_from_the_cli(tmp_path):
+    # `python -m tppo_jax.cli` from the repository root: the checkout's tppo_jax must still
+    # find tppo_jax.benchmarks (pyproject maps benchmarks/ into the package).
+    proc = subprocess.run([sys.executable, "-m", "tppo_jax.cli", "bench", "accelerator",
+                           *TINY, "--no-hf", "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    _check(json.loads((tmp_path / "accelerator_cpu.json").read_text()))
