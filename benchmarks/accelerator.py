@@ -1,8 +1,9 @@
 """Decode throughput vs the memory-bandwidth roofline and train-step MFU on an accelerator.
 
 A random Qwen2-shaped model (``--arch qwen2-0.5b``: Qwen2.5-0.5B sizes, bf16) at batch 256:
-- decode: one jitted window of ``--new-tokens`` greedy tokens (``rollout.generate``'s window
-  decode: dense KV cache, ``lax.while_loop``), the cache donated; prefill timed apart.
+- decode: one training window of ``--new-tokens`` greedy tokens through the rollout engine
+  (``TPPOEngine``'s window: the decode core's ``lax.while_loop`` over a dense KV cache), the
+  decode state donated; the engine's batched prefill timed apart.
   Roofline = bytes a step must read (all weights + the live KV cache) / peak HBM bandwidth;
 - train: one jitted ``policy_update`` and one ``value_update`` (forward + backward + AdamW) on
   ``--train-batch`` x ``--train-len`` tokens; MFU = 6 * params * tokens/s / peak bf16 FLOP/s;
@@ -63,59 +64,69 @@ def _nbytes(tree) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def window_decode(model, b: int, s: int, window: int, *, donate: bool):
-    """A jitted pure window decode ``f(state, cache, last, total_len, budget, active, rng,
-    slot_ids, step)`` of ``model`` (greedy; ``donate`` donates the cache argument)."""
+def decoding_engine(model, b: int, s: int):
+    """The rollout engine the scheduler decodes with: ``b`` slots of ``s`` positions, dense
+    cache, greedy, no EOS (every row generates the whole window)."""
+    import types
+
+    from tppo_jax.rollout.decode import SamplingParams
+    from tppo_jax.rollout.engine import TPPOEngine
+
+    return TPPOEngine(model, types.SimpleNamespace(eos_ids=()), max_slots=b,
+                      max_target_length=s, kv_cache="dense", max_prefill_length=16,
+                      sampling=SamplingParams(greedy=True))
+
+
+def window_decode(engine, window: int, *, donate: bool):
+    """The engine's jitted training window ``f(decode_state, params, budget, first)`` (what
+    ``generate_window`` runs); ``donate`` donates the decode state (cache included)."""
     import jax
-    from flax import nnx
 
-    from tppo_jax.rollout.generate import SamplingParams, decode_window
+    def f(ds, params, budget, first):
+        return engine._window_impl(ds, params, window, budget, first)
 
-    graphdef = nnx.graphdef(model)
-
-    def f(state, cache, *rest):
-        return decode_window(nnx.merge(graphdef, state), cache, *rest, window=window,
-                             eos_id=-1, params=SamplingParams(greedy=True))
-
-    return jax.jit(f, donate_argnums=(1,) if donate else ())
+    return jax.jit(f, donate_argnums=(0,) if donate else ())
 
 
 def decode_section(model, cfg, args) -> dict:
-    """Prefills a random batch, then times (and analyses) one donated window decode."""
+    """Prefills a random batch into the engine's slots, then times (and analyses) one donated
+    training window."""
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
     from tppo_jax.benchmarks import xla_cost
-
-    from tppo_jax.rollout.generate import prefill
 
     b, p, new = args.batch, args.prompt_len, args.new_tokens
     s = p + new + 1
-    state = nnx.state(model)
+    eng = decoding_engine(model, b, s)
+    params = eng.load_params(model)
     toks = jnp.asarray(np.random.default_rng(0).integers(4, cfg.vocab_size, (b, s)), jnp.int32)
     lens = jnp.full((b,), p, jnp.int32)
-    pre = nnx.jit(prefill)
-    rest = (toks[:, p - 1], lens, jnp.full((b,), new, jnp.int32), jnp.ones(b, bool),
-            jax.random.key(0), jnp.arange(b, dtype=jnp.uint32), jnp.int32(0))
-    cache = pre(model, model.init_cache(b, s), toks, lens, jnp.ones(b, bool))
+    on = jnp.ones(b, bool)
+
+    def fresh():
+        ds = eng.sync(eng.init_decode_state(), next_token=toks[:, p - 1], position=lens - 1,
+                      generated=jnp.zeros(b, jnp.int32), seq_id=jnp.arange(b, dtype=jnp.uint32),
+                      live=on)
+        return jax.block_until_ready(eng.prefill_slots(params, ds, toks, lens, on)[0])
+
+    rest = (params, jnp.full((b,), new, jnp.int32), jnp.zeros(b, bool))
+    ds = fresh()
     layer = (b, s, cfg.num_kv_heads, cfg.head_dim)
-    weights, kv_all = _nbytes(state), _nbytes((cache.k, cache.v))
+    weights, kv_all = _nbytes(params.state), _nbytes((ds.cache.k, ds.cache.v))
     proxies = {}
     for donate in (False, True):
-        compiled = xla_cost.compile_fn(window_decode(model, b, s, new, donate=donate),
-                                       (state, cache, *rest))
+        compiled = xla_cost.compile_fn(window_decode(eng, new, donate=donate), (ds, *rest))
         proxies["donated" if donate else "not_donated"] = xla_cost.decode_report(
             compiled, layer_dims=layer, weight_bytes=weights, kv_bytes=kv_all)
     t0 = time.perf_counter()
-    jax.block_until_ready(pre(model, model.init_cache(b, s), toks, lens, jnp.ones(b, bool)))
+    fresh()
     prefill_s = time.perf_counter() - t0
     secs = []
     for _ in range(2):  # the first call may still pay one-time transfers
-        cache = jax.block_until_ready(pre(model, model.init_cache(b, s), toks, lens,
-                                          jnp.ones(b, bool)))
+        ds = fresh()
         t0 = time.perf_counter()
-        out, cache = compiled(state, cache, *rest)
+        ds, out = compiled(ds, *rest)
         jax.block_until_ready(out.count)
         secs.append(time.perf_counter() - t0)
     dt = min(secs)

@@ -109,9 +109,11 @@ def test_no_token_outside_nucleus(seed):
         assert allowed[int(tok[i])], (i, top_p[i])
 
 
-def test_rng_forms_and_slot_keys_independent_of_batch():
+def test_rng_forms_and_sequence_keys_independent_of_batch():
+    from tppo_jax.rollout.decode import sequence_keys
+
     logits = jax.random.normal(jax.random.key(0), (3, 100))
-    keys = sampling.slot_keys(jax.random.key(42), jnp.array([10, 11, 12]), 5)
+    keys = sequence_keys(jax.random.key(42), jnp.full(3, 5), jnp.array([10, 11, 12]))
     tok_all, _ = sample_jit(logits, keys)
     tok_one, _ = sample_jit(logits[2:], keys[2:])
     assert int(tok_all[2]) == int(tok_one[0])
@@ -119,10 +121,10 @@ def test_rng_forms_and_slot_keys_independent_of_batch():
     t_raw, _ = sample_jit(logits, jax.random.PRNGKey(0))
     t_typed, _ = sample_jit(logits, jax.random.key(0))
     assert t_raw.shape == t_typed.shape == (3,) and t_raw.dtype == jnp.int32
-    # Different steps give different draws (with overwhelming probability over 64 slots).
+    # Different token indices give different draws (overwhelmingly likely over 64 rows).
     flat = jnp.zeros((64, 100))
-    a, _ = sample_jit(flat, sampling.slot_keys(jax.random.key(1), jnp.arange(64), 0))
-    b, _ = sample_jit(flat, sampling.slot_keys(jax.random.key(1), jnp.arange(64), 1))
+    a, _ = sample_jit(flat, sequence_keys(jax.random.key(1), jnp.zeros(64), jnp.arange(64)))
+    b, _ = sample_jit(flat, sequence_keys(jax.random.key(1), jnp.ones(64), jnp.arange(64)))
     assert (np.asarray(a) != np.asarray(b)).any()
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from tppo_jax.benchmarks import xla_cost
-from tppo_jax.benchmarks.accelerator import window_decode
+from tppo_jax.benchmarks.accelerator import decoding_engine, window_decode
 
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.rollout.sampling import sample
@@ -49,17 +49,16 @@ def test_inplace_updates_and_copies_are_told_apart():
 def decode_reports():
     cfg = ModelConfig.tiny(vocab_size=V)
     model = create_model(cfg, seed=0)
-    state, cache = nnx.state(model), model.init_cache(B, S)
-    rest = (jnp.zeros(B, jnp.int32), jnp.full(B, 8), jnp.full(B, 8), jnp.ones(B, bool),
-            jax.random.key(0), jnp.arange(B, dtype=jnp.uint32), jnp.int32(0))
-    weights = sum(x.nbytes for x in jax.tree.leaves(state))
+    engine = decoding_engine(model, B, S)  # the training window, as the scheduler runs it
+    params, ds = engine.load_params(model), engine.init_decode_state()
+    rest = (params, jnp.full(B, 8, jnp.int32), jnp.zeros(B, bool))
+    weights = sum(x.nbytes for x in jax.tree.leaves(params.state))
     out = {}
     for donate in (False, True):
-        compiled = xla_cost.compile_fn(window_decode(model, B, S, 8, donate=donate),
-                                       (state, cache, *rest))
+        compiled = xla_cost.compile_fn(window_decode(engine, 8, donate=donate), (ds, *rest))
         out[donate] = xla_cost.decode_report(
             compiled, layer_dims=(B, S, cfg.num_kv_heads, cfg.head_dim),
-            weight_bytes=weights, kv_bytes=2 * cache.k.nbytes)
+            weight_bytes=weights, kv_bytes=2 * ds.cache.k.nbytes)
     return cfg, out
 
 

@@ -21,18 +21,6 @@ Array = jax.Array
 ArrayOrScalar = Array | float | int | bool
 
 
-def slot_keys(key: Array, slot_ids: Array, step: Array | int) -> Array:
-    """[B] keys = fold_in(fold_in(key, step), slot_id).
-
-    Why fold_in rather than split: a slot's randomness depends only on (key, step, id), not on
-    the batch size or which other slots are active, so refills do not perturb other samples.
-    Pass a stable per-sequence id instead of the slot index to make a sequence reproducible
-    across slot reassignments.
-    """
-    step_key = jax.random.fold_in(key, jnp.asarray(step, jnp.uint32))
-    return jax.vmap(lambda i: jax.random.fold_in(step_key, i))(jnp.asarray(slot_ids, jnp.uint32))
-
-
 def _per_row_keys(rng: Array, b: int) -> Array:
     """One key (typed () or raw (2,)) -> split into [b]; [b] keys pass through."""
     typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
@@ -103,7 +91,7 @@ def sample(
 
     Args:
       logits: [B, V] (any float dtype; computed in f32).
-      rng: one key (split into B) or [B] keys (e.g. from `slot_keys`).
+      rng: one key (split into B) or [B] keys (e.g. from `decode.sequence_keys`).
       temperature, top_p, top_k, greedy: scalars or [B] per-slot arrays. temperature 0 or
         greedy=True -> argmax. top_p=None and top_k=None (static) skip truncation entirely,
         avoiding the [B, V] sort; top_p=1.0 / top_k=0 disable them per row at run time.
