@@ -16,7 +16,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
     p.add_argument("--run-dir", default=None,
                    help="output directory (default: runs/<config name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest good checkpoint, with the run's own "
+                   "config.yaml (overrides apply on top; --config only matters for a run "
+                   "that has no config.yaml yet)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     d = p.add_argument_group(
         "multi-host", "start jax.distributed (also from TPPO_COORDINATOR, TPPO_NUM_PROCESSES, "
@@ -44,18 +47,21 @@ def start_distributed(args: argparse.Namespace) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from tppo_jax.config import load_config
-    from tppo_jax.train.trainer import train
+    from tppo_jax.train.checkpoint import CheckpointError
+    from tppo_jax.train.run_config import resume_config
+    from tppo_jax.train.trainer import TrainingDiverged, train
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     start_distributed(args)
-    cfg = load_config(args.config, args.overrides)
     name = Path(args.config).stem if args.config else "default"
     run_dir = args.run_dir or str(Path("runs") / name)  # str: may be a gs:// URL
-    from tppo_jax.train.trainer import TrainingDiverged
-
+    # A resume is the same run: its own config.yaml, the command line's changes on top.
+    cfg = resume_config(run_dir, args.config, args.overrides) if args.resume else None
+    if cfg is None:
+        cfg = load_config(args.config, args.overrides)
     try:
         summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
-    except TrainingDiverged as e:
+    except (TrainingDiverged, CheckpointError) as e:
         print(f"tppo train: stopped: {e}", file=sys.stderr)
         return 1
     if summary["preempted"]:
@@ -121,7 +127,7 @@ def load_run_policy(run_dir: Path, step: int | None):
     from flax import nnx
 
     from tppo_jax.config import ConfigError, load_config
-    from tppo_jax.train.checkpoint import Checkpointer
+    from tppo_jax.train.checkpoint import Checkpointer, CheckpointError
     from tppo_jax.train.trainer import load_models
 
     if not (run_dir / "config.yaml").exists():
@@ -129,10 +135,14 @@ def load_run_policy(run_dir: Path, step: int | None):
     cfg = load_config(run_dir / "config.yaml")
     models = load_models(cfg, run_dir, progress=False)
     ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", every=0, keep=1000)
-    step = step if step is not None else ckpt.latest_step()
-    if step is not None:
-        models.policy = ckpt.restore_item(step, "policy", models.policy)
-    ckpt.close()
+    try:  # the newest (or the given) step whose policy files verify
+        found = ckpt.latest_good_item("policy", models.policy, step)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    finally:
+        ckpt.close()
+    if found is not None:
+        step, models.policy = found
     policy = nnx.merge(models.policy_def, models.policy)
     return cfg, models.tokenizer, policy, step or 0, models.tokenizer_file
 
