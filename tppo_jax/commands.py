@@ -122,29 +122,64 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def abstract_policy(config_json: Path, dtype: str):
+    """``(graphdef, template)`` of the policy an HF ``config.json`` describes: shapes and
+    dtypes only (on this host's first device), for restoring a checkpoint into."""
+    import jax
+    from flax import nnx
+
+    from tppo_jax.models.hf import config_from_hf
+    from tppo_jax.models.transformer import Transformer
+
+    mcfg = config_from_hf(json.loads(config_json.read_text()), dtype)
+    pdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))))
+    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev),
+                            nnx.to_pure_dict(state))
+    return pdef, template
+
+
 def load_run_policy(run_dir: Path, step: int | None):
-    """(config, tokenizer, policy model, step) of a run's checkpoint (latest by default)."""
+    """(config, tokenizer, policy model, step, tokenizer file) of a run's checkpoint (the
+    newest whose policy verifies, by default). With checkpoints, only the run directory
+    is read: the policy is shaped from the model config and tokenizer the run keeps
+    (``warmstart/`` or ``model/``); without, it is the run's starting model."""
     from flax import nnx
 
     from tppo_jax.config import ConfigError, load_config
-    from tppo_jax.train.checkpoint import Checkpointer, CheckpointError
+    from tppo_jax.models.tokenizer import Tokenizer
+    from tppo_jax.train.checkpoint import (
+        MODEL_SUBDIR,
+        Checkpointer,
+        CheckpointError,
+        run_model_files,
+    )
     from tppo_jax.train.trainer import load_models
+    from tppo_jax.train.warmstart import RUN_SUBDIR
 
     if not (run_dir / "config.yaml").exists():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
     cfg = load_config(run_dir / "config.yaml")
-    models = load_models(cfg, run_dir, progress=False)
     ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", every=0, keep=1000)
-    try:  # the newest (or the given) step whose policy files verify
-        found = ckpt.latest_good_item("policy", models.policy, step)
+    try:
+        files = run_model_files(run_dir, (RUN_SUBDIR, MODEL_SUBDIR))
+        if files is not None and (step is not None or ckpt.latest_step() is not None):
+            pdef, template = abstract_policy(files[0], cfg.model.dtype)
+            tok_file = files[1]
+            tok = Tokenizer.load(tok_file)
+        else:  # no checkpoint yet, or a run from before run dirs kept their model files
+            models = load_models(cfg, run_dir, progress=False)
+            pdef, template = models.policy_def, models.policy
+            tok, tok_file = models.tokenizer, models.tokenizer_file
+        # The newest (or the given) step whose policy files verify.
+        found = ckpt.latest_good_item("policy", template, step)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     finally:
         ckpt.close()
     if found is not None:
-        step, models.policy = found
-    policy = nnx.merge(models.policy_def, models.policy)
-    return cfg, models.tokenizer, policy, step or 0, models.tokenizer_file
+        step, template = found
+    return cfg, tok, nnx.merge(pdef, template), step or 0, tok_file
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ shard once from the host that holds it, and process 0 writes the JSON metadata."
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +212,32 @@ class Checkpointer:
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split()) or type(e).__name__
     return text[:300]
+
+
+# ---- what a run directory keeps besides checkpoints ------------------------------------
+MODEL_SUBDIR = "model"  # an HF run's config.json and tokenizer (the weights stay at model.path)
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model")
+
+
+def record_model(run_dir: Path, config_json: Path, tokenizer: Path) -> None:
+    """Copies an HF model's ``config.json`` and tokenizer into ``RUN/model/``, so the run's
+    checkpoints can be evaluated, exported and served without ``model.path``."""
+    own = Path(run_dir) / MODEL_SUBDIR
+    own.mkdir(parents=True, exist_ok=True)
+    for src in (config_json, tokenizer):
+        dst = own / src.name
+        if not dst.exists() or dst.read_bytes() != src.read_bytes():
+            shutil.copyfile(src, dst)
+
+
+def run_model_files(run_dir: Path, subdirs: tuple[str, ...]) -> tuple[Path, Path] | None:
+    """``(config.json, tokenizer file)`` the run keeps in the first of ``subdirs`` that has
+    both (e.g. ``warmstart/policy`` + ``warmstart``, or ``model``); None when none does."""
+    for sub in subdirs:
+        folder = Path(run_dir) / sub
+        config = next((c for c in (folder / "config.json", folder / "policy" / "config.json")
+                       if c.exists()), None)
+        tok = next((folder / n for n in TOKENIZER_NAMES if (folder / n).exists()), None)
+        if config is not None and tok is not None:
+            return config, tok
+    return None

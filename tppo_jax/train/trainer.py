@@ -40,7 +40,7 @@ from tppo_jax.parallel.mesh import layout_rules, make_mesh, reshard
 from tppo_jax.rewards.math import MathGrader, overlong_penalty
 from tppo_jax.rollout.generate import SamplingParams
 from tppo_jax.rollout.scheduler import RolloutBatch, TruncatedRolloutScheduler
-from tppo_jax.train.checkpoint import Checkpointer
+from tppo_jax.train.checkpoint import Checkpointer, record_model
 from tppo_jax.train.evaluate import evaluate
 from tppo_jax.train.metrics import MetricsWriter
 from tppo_jax.train.run_dir import mirror, pull, resolve_run_dir
@@ -108,6 +108,8 @@ def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models
             raise ConfigError(f"model.path {path}: no tokenizer.json or tokenizer.model found")
         tok = Tokenizer.load(tok_file)
         policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh)  # straight to shards
+        if mh.is_primary():  # the run's checkpoints then restore without model.path
+            record_model(run_dir, path / "config.json", tok_file)
     if cfg.model.value_init == "path":
         from tppo_jax.models.hf import from_pretrained
 
