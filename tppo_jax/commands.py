@@ -45,13 +45,22 @@ def start_distributed(args: argparse.Namespace) -> None:
         raise ConfigError(str(e)) from None
 
 
+def setup_logging() -> None:
+    """Our INFO lines (resume, warm-start, checkpoints) on stderr; libraries at WARNING.
+    ``force``: importing Orbax already made absl call ``basicConfig()`` (level WARNING),
+    which silently turned a later ``basicConfig(level=INFO)`` into a no-op."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s",
+                        force=True)
+    logging.getLogger("tppo_jax").setLevel(logging.INFO)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from tppo_jax.config import load_config
     from tppo_jax.train.checkpoint import CheckpointError
     from tppo_jax.train.run_config import resume_config
     from tppo_jax.train.trainer import TrainingDiverged, train
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging()
     start_distributed(args)
     name = Path(args.config).stem if args.config else "default"
     run_dir = args.run_dir or str(Path("runs") / name)  # str: may be a gs:// URL
