@@ -173,8 +173,12 @@ class Checkpointer:
             dst = self.directory / f"{step}{DAMAGED}"
             while dst.exists():
                 dst = dst.parent / f"{dst.name}+"
-            src.rename(dst)
-            log.error("checkpoint step %d moved to %s", step, dst)
+            try:
+                src.rename(dst)
+                log.error("checkpoint step %d moved to %s", step, dst)
+            except OSError as e:  # some buckets cannot rename a folder: drop it instead
+                log.error("could not move damaged step %d (%s): deleting it", step, e)
+                src.rmtree()
         mh.barrier(f"set-aside-{step}")
         self.mngr.reload()
 
