@@ -133,19 +133,22 @@ def test_checkpoint_without_manifest_restores_with_a_warning(tmp_path, caplog):
 def test_failed_write_stops_with_one_line_and_keeps_the_previous_step(tmp_path):
     ck = Checkpointer(tmp_path / "ckpt", every=1, keep=5)
     assert ck.save(1, _trees(1.0), {"step": 1})
-    # The OS refuses to grow any file past 1 KiB (what a full disk does to the next write):
+    big = {k: {"w": jnp.asarray(np.random.default_rng(0).random(100_000, np.float32))}
+           for k in ITEMS}  # random: incompressible
+    # The OS refuses to grow any file past 64 KiB (what a full disk does to the next write):
     # a real write failure inside Orbax/TensorStore, not a mock.
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
     try:
         with pytest.raises(CheckpointError) as e:
-            ck.save(2, _trees(2.0, n=100_000), {"step": 2})
+            ck.save(2, big, {"step": 2})
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old)
     msg = str(e.value)
     assert "\n" not in msg and "step 2" in msg and "step 1 is intact" in msg
+    assert "(File too large, errno 27)" in msg  # the OS's reason, from TensorStore's error
     ck.close()
     leftovers = [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("2")]
     assert leftovers == []

@@ -7,7 +7,10 @@ shard once from the host that holds it, and process 0 writes the JSON metadata."
 from __future__ import annotations
 
 import logging
+import os
+import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -81,17 +84,22 @@ class Checkpointer:
             return False
         args = {k: ocp.args.StandardSave(trees[k]) for k in ITEMS}
         args["meta"] = ocp.args.JsonSave(meta)
+        _ABSL.addFilter(_QUIET)
         try:
             self.mngr.save(step, args=ocp.args.Composite(**args), force=force)
             self.mngr.wait_until_finished()
             write_manifest(self.directory / str(step))
         except Exception as e:  # Orbax wraps OSError (ENOSPC, EFBIG, EACCES) in its own types
+            # The run stops here: Orbax's abandoned writes may still call back into their
+            # closed event loops; that is not worth a traceback at exit.
+            sys.unraisablehook = _ignore_closed_loops(sys.unraisablehook)
             self._discard_partial(step)
             prev = [s for s in self.mngr.all_steps() if s < step]
             kept = f"step {max(prev)} is intact" if prev else "no earlier checkpoint exists"
             raise CheckpointError(
                 f"could not write the checkpoint of step {step} to {self.directory} "
-                f"({_one_line(e)}); {kept}. Free space (or fix access) and --resume") from e
+                f"({_write_cause(e)}); {kept}. Free space (or fix access) and --resume") from e
+        _ABSL.removeFilter(_QUIET)  # after a failure it stays, for close()
         return True
 
     def _discard_partial(self, step: int) -> None:
@@ -211,6 +219,47 @@ class Checkpointer:
             self.mngr.close()
         except Exception as e:  # a failed async save re-raises here; it was reported
             log.warning("closing the checkpoint manager: %s", _one_line(e))
+        _ABSL.removeFilter(_QUIET)
+
+
+class _QuietOrbaxTracebacks(logging.Filter):
+    """Drops Orbax's ERROR records that carry a traceback: one failed write (a full disk)
+    logs one from every item's writer thread, hundreds of lines, while ``save`` raises
+    one ``CheckpointError`` that names the first cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.exc_info
+                    and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+_ABSL = logging.getLogger("absl")  # Orbax logs through absl, which logs to this logger
+_QUIET = _QuietOrbaxTracebacks()
+
+
+def _ignore_closed_loops(previous):
+    """An unraisable-exception hook that drops ``RuntimeError: Event loop is closed``
+    (a write Orbax abandoned finishing late) and passes everything else on."""
+    def hook(unraisable) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    return hook
+
+
+def _write_cause(e: BaseException) -> str:
+    """The operating system's reason for a failed write (``No space left on device, errno
+    28``), found in the exception chain or in TensorStore's message; else the message."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return f"{seen.strerror}, errno {seen.errno}"
+        m = re.search(r"([^:\]]+) \[os_error_code='(\d+)'\]", str(seen))
+        if m:
+            return f"{m.group(1).strip()}, errno {m.group(2)}"
+        seen = seen.__cause__ or seen.__context__
+    return _one_line(e)
 
 
 def _one_line(e: BaseException) -> str:
