@@ -6,11 +6,13 @@ shard once from the host that holds it, and process 0 writes the JSON metadata."
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -84,22 +86,28 @@ class Checkpointer:
             return False
         args = {k: ocp.args.StandardSave(trees[k]) for k in ITEMS}
         args["meta"] = ocp.args.JsonSave(meta)
+        threads = set(threading.enumerate())
+        hook, sys.unraisablehook = sys.unraisablehook, _ignore_closed_loops(sys.unraisablehook)
         _ABSL.addFilter(_QUIET)
         try:
             self.mngr.save(step, args=ocp.args.Composite(**args), force=force)
             self.mngr.wait_until_finished()
             write_manifest(self.directory / str(step))
         except Exception as e:  # Orbax wraps OSError (ENOSPC, EFBIG, EACCES) in its own types
-            # The run stops here: Orbax's abandoned writes may still call back into their
-            # closed event loops; that is not worth a traceback at exit.
-            sys.unraisablehook = _ignore_closed_loops(sys.unraisablehook)
+            # Orbax raises at the first failed write while its other writer threads run on:
+            # let them end before deleting their folder (and before the process exits).
+            for t in set(threading.enumerate()) - threads:
+                with contextlib.suppress(Exception):  # Orbax's threads re-raise in join()
+                    t.join(timeout=_THREAD_WAIT_S)
             self._discard_partial(step)
             prev = [s for s in self.mngr.all_steps() if s < step]
             kept = f"step {max(prev)} is intact" if prev else "no earlier checkpoint exists"
             raise CheckpointError(
                 f"could not write the checkpoint of step {step} to {self.directory} "
                 f"({_write_cause(e)}); {kept}. Free space (or fix access) and --resume") from e
-        _ABSL.removeFilter(_QUIET)  # after a failure it stays, for close()
+        # After a failure both stay: the run stops, and close() may re-raise in Orbax.
+        _ABSL.removeFilter(_QUIET)
+        sys.unraisablehook = hook
         return True
 
     def _discard_partial(self, step: int) -> None:
@@ -236,9 +244,13 @@ _ABSL = logging.getLogger("absl")  # Orbax logs through absl, which logs to this
 _QUIET = _QuietOrbaxTracebacks()
 
 
+_THREAD_WAIT_S = 60.0  # how long a failed save waits for Orbax's other writer threads
+
+
 def _ignore_closed_loops(previous):
-    """An unraisable-exception hook that drops ``RuntimeError: Event loop is closed``
-    (a write Orbax abandoned finishing late) and passes everything else on."""
+    """An unraisable-exception hook that drops ``RuntimeError: Event loop is closed`` (a
+    TensorStore write finishing after Orbax gave up on the save, calling back into its
+    closed event loop) and passes everything else on."""
     def hook(unraisable) -> None:
         exc = unraisable.exc_value
         if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
