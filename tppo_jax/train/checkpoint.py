@@ -155,7 +155,7 @@ class Checkpointer:
             failures.append(f"step {step}: {why}")
             self._set_aside(step)
         raise CheckpointError(f"no checkpoint in {self.directory} passed verification "
-                              f"({'; '.join(failures)})")
+                              f"({'; '.join(failures)}); each was renamed <step>{DAMAGED}")
 
     def _problems(self, step: int, items: tuple[str, ...] | None, restore) -> Any:
         """``restore()``'s result (a tuple) when step ``step`` verifies and restores, else
