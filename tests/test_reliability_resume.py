@@ -1,13 +1,21 @@
 """Exact resume after `kill -9`, and SIGTERM preemption, on the real `tppo train` (subprocesses).
 
 One uninterrupted run A; a run B that is SIGKILLed mid-run, resumed, SIGTERMed (it must
-checkpoint and exit 0), and resumed again to the end. Every step of B must report the
-same rewards and losses as A: data iterator, RNG, both optimizers, the scheduler's
-unfinished sequences and their KV cache all come back from the checkpoint.
+checkpoint and exit 0). B's run directory is then copied elsewhere and the original and
+the shared warm-start cache deleted; the latest checkpoint of the copy gets flipped bytes;
+a resume whose checkpoint write fails (the OS refuses to grow files: a full disk) stops
+with one line; and the command the preemption printed (no config, no overrides) resumes
+the copy to the end, without a warm-start. Every step must report the same rewards and
+losses as A: config, data iterator, RNG, both optimizers, the scheduler's unfinished
+sequences and their KV cache all come back from the run directory.
 """
 
 import json
 import os
+import re
+import resource
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +32,22 @@ CLOSE = ("policy_loss", "value_loss", "entropy", "approx_kl")
 def _cmd(run_dir, *extra):
     return [sys.executable, "-m", "tppo_jax.cli", "train", *ARGS, "--run-dir", str(run_dir),
             *extra]
+
+
+def _fill_disk():
+    """In the child: no file may grow past 64 KiB (checkpoint shards are bigger; logs are
+    smaller), so the first checkpoint write fails as on a full disk."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))
+
+
+def _flip_policy(step_dir):
+    shard = max((p for p in (step_dir / "policy").rglob("*") if p.is_file()),
+                key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(b ^ 0xFF for b in
+                                                      data[len(data) // 2:len(data) // 2 + 64])
+    shard.write_bytes(bytes(data))
+    return shard
 
 
 def _rows(run_dir):
@@ -82,12 +106,42 @@ def test_kill9_resume_and_sigterm_match_uninterrupted(tmp_path):
     assert "preempted" in out
     last = max(int(p.name) for p in (b / "checkpoints").iterdir() if p.name.isdigit())
     assert last == len(_rows(b)) >= 4
+    advice = re.search(r"Continue with: (tppo train .*--resume)", out).group(1)
 
-    done = subprocess.run(_cmd(b, "--resume"), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=900)
+    # Copy the run elsewhere; delete the original and every warm-start cache.
+    c = tmp_path / "moved" / "c"
+    shutil.copytree(b, c)
+    shutil.rmtree(b)
+    for cache in runs.glob("warmstart-*"):
+        shutil.rmtree(cache)
+    # Damage the latest checkpoint: the resume must say so and use the one before.
+    shard = _flip_policy(c / "checkpoints" / str(last))
+    argv = [sys.executable, "-m", "tppo_jax.cli",
+            *shlex.split(advice.replace(str(b), str(c)))[1:]]
+    assert "--config" not in argv and "--resume" in argv
+
+    # A full disk at the first save: one line, exit 1, the previous checkpoint intact.
+    full = subprocess.run(argv + ["--no-progress"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=900, preexec_fn=_fill_disk)
+    assert full.returncode == 1, full.stderr[-3000:]
+    rel = shard.relative_to(c / "checkpoints" / str(last)).as_posix()
+    assert f"CHECKPOINT DAMAGED: step {last}: policy: {rel}: content differs" in full.stderr
+    assert f"resumed from step {last - 1}" in full.stderr
+    stop = full.stderr.strip().splitlines()[-1]
+    assert stop.startswith(f"tppo train: stopped: could not write the checkpoint of step "
+                           f"{last}") and f"step {last - 1} is intact" in stop, stop
+    assert (c / "checkpoints" / f"{last}.damaged").is_dir()
+    assert not [p for p in (c / "checkpoints").iterdir() if p.name.startswith(f"{last}.orbax")]
+
+    done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    for r in (full, done):  # the run's own warm-start, its own config
+        assert "warm-start: using the run's own copy" in r.stderr
+        assert "warm-start: training" not in r.stderr
+        assert "resume: with the run's own config" in r.stderr
+    assert not list(tmp_path.rglob("warmstart-*"))
 
-    ra, rb = _rows(a), _rows(b)
+    ra, rb = _rows(a), _rows(c)
     assert [r["step"] for r in rb] == [r["step"] for r in ra] == list(range(1, 7))
     for x, y in zip(ra, rb, strict=True):
         for k in SAME:

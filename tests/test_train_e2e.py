@@ -27,8 +27,11 @@ def test_smoke_train_then_resume(tmp_path):
         assert key in rows[0]
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert ckpts == ["2", "4"]
-    for item in ("policy", "value", "policy_opt", "value_opt", "slots", "meta"):
+    for item in ("policy", "value", "policy_opt", "value_opt", "slots", "meta",
+                 "manifest.json"):
         assert (run / "checkpoints" / "4" / item).exists()
+    # The run keeps its own warm-start (tokenizer + weights): a copied run dir needs no cache.
+    assert all((run / "warmstart" / f).exists() for f in ("DONE", "tokenizer.model", "policy"))
     assert list((run / "tensorboard").iterdir())
     # The warm-start is cached next to the run dir, so it is reused on resume.
     assert len(list((tmp_path / "runs").glob("warmstart-*/DONE"))) == 1

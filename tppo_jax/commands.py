@@ -16,7 +16,10 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     add_config_args(p)
     p.add_argument("--run-dir", default=None,
                    help="output directory (default: runs/<config name>)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest good checkpoint, with the run's own "
+                   "config.yaml (overrides apply on top; --config only matters for a run "
+                   "that has no config.yaml yet)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     d = p.add_argument_group(
         "multi-host", "start jax.distributed (also from TPPO_COORDINATOR, TPPO_NUM_PROCESSES, "
@@ -42,20 +45,32 @@ def start_distributed(args: argparse.Namespace) -> None:
         raise ConfigError(str(e)) from None
 
 
+def setup_logging() -> None:
+    """Our INFO lines (resume, warm-start, checkpoints) on stderr; libraries at WARNING.
+    ``force``: importing Orbax already made absl call ``basicConfig()`` (level WARNING),
+    which silently turned a later ``basicConfig(level=INFO)`` into a no-op."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s",
+                        force=True)
+    logging.getLogger("tppo_jax").setLevel(logging.INFO)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from tppo_jax.config import load_config
-    from tppo_jax.train.trainer import train
+    from tppo_jax.train.checkpoint import CheckpointError
+    from tppo_jax.train.run_config import resume_config
+    from tppo_jax.train.trainer import TrainingDiverged, train
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    setup_logging()
     start_distributed(args)
-    cfg = load_config(args.config, args.overrides)
     name = Path(args.config).stem if args.config else "default"
     run_dir = args.run_dir or str(Path("runs") / name)  # str: may be a gs:// URL
-    from tppo_jax.train.trainer import TrainingDiverged
-
+    # A resume is the same run: its own config.yaml, the command line's changes on top.
+    cfg = resume_config(run_dir, args.config, args.overrides) if args.resume else None
+    if cfg is None:
+        cfg = load_config(args.config, args.overrides)
     try:
         summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
-    except TrainingDiverged as e:
+    except (TrainingDiverged, CheckpointError) as e:
         print(f"tppo train: stopped: {e}", file=sys.stderr)
         return 1
     if summary["preempted"]:
@@ -116,25 +131,64 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def abstract_policy(config_json: Path, dtype: str):
+    """``(graphdef, template)`` of the policy an HF ``config.json`` describes: shapes and
+    dtypes only (on this host's first device), for restoring a checkpoint into."""
+    import jax
+    from flax import nnx
+
+    from tppo_jax.models.hf import config_from_hf
+    from tppo_jax.models.transformer import Transformer
+
+    mcfg = config_from_hf(json.loads(config_json.read_text()), dtype)
+    pdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))))
+    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev),
+                            nnx.to_pure_dict(state))
+    return pdef, template
+
+
 def load_run_policy(run_dir: Path, step: int | None):
-    """(config, tokenizer, policy model, step) of a run's checkpoint (latest by default)."""
+    """(config, tokenizer, policy model, step, tokenizer file) of a run's checkpoint (the
+    newest whose policy verifies, by default). With checkpoints, only the run directory
+    is read: the policy is shaped from the model config and tokenizer the run keeps
+    (``warmstart/`` or ``model/``); without, it is the run's starting model."""
     from flax import nnx
 
     from tppo_jax.config import ConfigError, load_config
-    from tppo_jax.train.checkpoint import Checkpointer
+    from tppo_jax.models.tokenizer import Tokenizer
+    from tppo_jax.train.checkpoint import (
+        MODEL_SUBDIR,
+        Checkpointer,
+        CheckpointError,
+        run_model_files,
+    )
     from tppo_jax.train.trainer import load_models
+    from tppo_jax.train.warmstart import RUN_SUBDIR
 
     if not (run_dir / "config.yaml").exists():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
     cfg = load_config(run_dir / "config.yaml")
-    models = load_models(cfg, run_dir, progress=False)
     ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", every=0, keep=1000)
-    step = step if step is not None else ckpt.latest_step()
-    if step is not None:
-        models.policy = ckpt.restore_item(step, "policy", models.policy)
-    ckpt.close()
-    policy = nnx.merge(models.policy_def, models.policy)
-    return cfg, models.tokenizer, policy, step or 0, models.tokenizer_file
+    try:
+        files = run_model_files(run_dir, (RUN_SUBDIR, MODEL_SUBDIR))
+        if files is not None and (step is not None or ckpt.latest_step() is not None):
+            pdef, template = abstract_policy(files[0], cfg.model.dtype)
+            tok_file = files[1]
+            tok = Tokenizer.load(tok_file)
+        else:  # no checkpoint yet, or a run from before run dirs kept their model files
+            models = load_models(cfg, run_dir, progress=False)
+            pdef, template = models.policy_def, models.policy
+            tok, tok_file = models.tokenizer, models.tokenizer_file
+        # The newest (or the given) step whose policy files verify.
+        found = ckpt.latest_good_item("policy", template, step)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    finally:
+        ckpt.close()
+    if found is not None:
+        step, template = found
+    return cfg, tok, nnx.merge(pdef, template), step or 0, tok_file
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:

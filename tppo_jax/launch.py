@@ -192,8 +192,8 @@ def train_argv(spec: LaunchSpec) -> list[str]:
             "--run-dir", spec.resolved_run_dir, "--no-progress"]
     if spec.tpu.hosts > 1:
         argv += ["--distributed", "auto"]
-    if spec.resume:
-        argv.append("--resume")
+    if spec.resume:  # the run's own config.yaml wins; --config (and the same overrides)
+        argv.append("--resume")  # only decide for a run that never wrote one
     return argv + list(spec.overrides)
 
 

@@ -16,6 +16,7 @@ Import this module before any ``jetstream`` import; importing it twice is a no-o
 
 from __future__ import annotations
 
+import logging
 import sys
 import types
 
@@ -68,24 +69,26 @@ def bind_host(host: str = LOOPBACK_HOST) -> None:
 
 
 def install() -> None:
+    level = logging.getLogger().level
     _install_tree_map()
     _install_seqio_stub()
-    bind_host(LOOPBACK_HOST)  # imports the orchestrator, which sets up root logging...
-    quiet_logging()  # ...so undo that at once (its handler holds the import-time stdout)
+    bind_host(LOOPBACK_HOST)  # imports JetStream's orchestrator: undo its logging at once
+    quiet_logging(level)
 
 
-def quiet_logging() -> None:
-    """JetStream's orchestrator sets the root logger to DEBUG with a stdout handler at
-    import time; undo that so users and tests keep their own logging setup."""
-    import logging
-
+def quiet_logging(level: int = logging.WARNING) -> None:
+    """JetStream's orchestrator sets the root logger to DEBUG with a handler on the
+    ``sys.stdout`` of import time; undo that (root back to ``level``) so users and tests
+    keep their own logging setup. Left in place, that handler outlives the stream it
+    holds (pytest's capture): jax's exit-time ``Clearing JAX backend caches`` debug line
+    then printed ``--- Logging error --- ValueError: I/O operation on closed file``."""
     orchestrator = sys.modules.get("jetstream.core.orchestrator")
     handler = getattr(orchestrator, "handler", None)
     root = logging.getLogger()
     if handler is not None and handler in root.handlers:
         root.removeHandler(handler)
         if root.level == logging.DEBUG:
-            root.setLevel(logging.WARNING)
+            root.setLevel(level)
 
 
 def check() -> None:

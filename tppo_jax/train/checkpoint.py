@@ -6,7 +6,13 @@ shard once from the host that holds it, and process 0 writes the JSON metadata."
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import re
+import shutil
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +21,9 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
+from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.multihost import global_to_host, tree_to_host
+from tppo_jax.train.manifest import MANIFEST, check, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +47,16 @@ def checkpoint_path(directory: str | Path) -> epath.Path:
 # kv_cache: the scheduler's cache of unfinished rows, so a resumed run continues exactly
 # as an uninterrupted one would (with kv_policy=keep it holds old-policy keys/values).
 ITEMS = ("policy", "value", "policy_opt", "value_opt", "slots", "kv_cache")
+DAMAGED = ".damaged"  # suffix of a step set aside by a resume (Orbax ignores the folder)
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint could be written, or none could be restored; the message is one line."""
 
 
 class Checkpointer:
-    """Saves every ``every`` steps (and on demand), keeps the last ``keep``."""
+    """Saves every ``every`` steps (and on demand), keeps the last ``keep``; each save gets
+    a content manifest (``train/manifest.py``) that restores check first."""
 
     def __init__(self, directory: str | Path, *, every: int, keep: int) -> None:
         self.directory = checkpoint_path(directory)
@@ -61,7 +75,9 @@ class Checkpointer:
 
     def save(self, step: int, trees: dict[str, Any], meta: dict[str, Any], *,
              force: bool = False) -> bool:
-        """Saves if due (or ``force``); never saves non-finite params (returns False)."""
+        """Saves if due (or ``force``); never saves non-finite params (returns False).
+        A failed write (disk full, permissions, bucket) raises ``CheckpointError``; the
+        previous checkpoint is untouched (Orbax writes to a temporary folder first)."""
         if not (force or self.due(step)):
             return False
         bad = [k for k in ("policy", "value") if not all_finite(trees[k])]
@@ -70,9 +86,48 @@ class Checkpointer:
             return False
         args = {k: ocp.args.StandardSave(trees[k]) for k in ITEMS}
         args["meta"] = ocp.args.JsonSave(meta)
-        self.mngr.save(step, args=ocp.args.Composite(**args), force=force)
-        self.mngr.wait_until_finished()
+        threads = set(threading.enumerate())
+        hook, sys.unraisablehook = sys.unraisablehook, _ignore_closed_loops(sys.unraisablehook)
+        _ABSL.addFilter(_QUIET)
+        try:
+            self.mngr.save(step, args=ocp.args.Composite(**args), force=force)
+            self.mngr.wait_until_finished()
+            write_manifest(self.directory / str(step))
+        except Exception as e:  # Orbax wraps OSError (ENOSPC, EFBIG, EACCES) in its own types
+            # Orbax raises at the first failed write while its other writer threads run on:
+            # let them end before deleting their folder (and before the process exits).
+            for t in set(threading.enumerate()) - threads:
+                with contextlib.suppress(Exception):  # Orbax's threads re-raise in join()
+                    t.join(timeout=_THREAD_WAIT_S)
+            self._discard_partial(step)
+            prev = [s for s in self.mngr.all_steps() if s < step]
+            kept = f"step {max(prev)} is intact" if prev else "no earlier checkpoint exists"
+            raise CheckpointError(
+                f"could not write the checkpoint of step {step} to {self.directory} "
+                f"({_write_cause(e)}); {kept}. Free space (or fix access) and --resume") from e
+        # After a failure both stay: the run stops, and close() may re-raise in Orbax.
+        _ABSL.removeFilter(_QUIET)
+        sys.unraisablehook = hook
         return True
+
+    def _discard_partial(self, step: int) -> None:
+        """Removes what a failed save left (its temporary folder, or a step committed
+        without a manifest), so the space comes back and a resume never picks it."""
+        if not mh.is_primary():
+            return
+        for p in self.directory.iterdir():
+            # The step itself only when this save committed it but wrote no manifest.
+            if (p.name == str(step) and not (p / MANIFEST).exists()) or p.name.startswith(
+                    f"{step}.orbax-checkpoint-tmp"):
+                try:
+                    p.rmtree()
+                except OSError as e:
+                    log.warning("could not remove %s: %s", p, e)
+        self.mngr.reload()
+
+    def verify(self, step: int, items: tuple[str, ...] | None = None) -> list[str] | None:
+        """Problems of step ``step`` against its manifest (see ``manifest.check``)."""
+        return check(self.directory / str(step), items)
 
     def restore(self, step: int, templates: dict[str, Any]) -> tuple[dict[str, Any], dict]:
         """Restores into the structure (and shardings) of ``templates``."""
@@ -83,11 +138,171 @@ class Checkpointer:
         trees["slots"] = tree_to_host(trees["slots"])  # this host's rows, as numpy
         return trees, out["meta"]
 
+    def restore_latest(self, templates: dict[str, Any]
+                       ) -> tuple[int, dict[str, Any], dict] | None:
+        """The newest step that verifies and restores, as ``(step, trees, meta)``; None when
+        there are no checkpoints. A damaged step is reported (item and file), renamed to
+        ``<step>.damaged`` (so the resumed run can write that step again) and skipped;
+        ``CheckpointError`` when none is left."""
+        steps = sorted(self.mngr.all_steps(), reverse=True)
+        if not steps:
+            return None
+        failures = []
+        for step in steps:
+            why = self._problems(step, None, lambda s=step: self.restore(s, templates))
+            if isinstance(why, tuple):
+                return (step, *why)
+            failures.append(f"step {step}: {why}")
+            self._set_aside(step)
+        raise CheckpointError(f"no checkpoint in {self.directory} passed verification "
+                              f"({'; '.join(failures)}); each was renamed <step>{DAMAGED}")
+
+    def _problems(self, step: int, items: tuple[str, ...] | None, restore) -> Any:
+        """``restore()``'s result (a tuple) when step ``step`` verifies and restores, else
+        one line saying why not (logged as an error)."""
+        problems = self.verify(step, items)
+        if problems is None:
+            log.warning("checkpoint step %d has no manifest (older version, or stopped "
+                        "before it was written): restoring it unverified", step)
+        if problems:
+            for p in problems:
+                log.error("CHECKPOINT DAMAGED: step %d: %s", step, p)
+            log.error("checkpoint step %d failed verification (%d files): skipping it",
+                      step, len(problems))
+            return f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1
+                                       else "")
+        try:
+            return restore()
+        except Exception as e:
+            if problems is not None:
+                # Every byte is as written: the run and the checkpoint disagree (a changed
+                # config or code), which skipping to an older step would not fix.
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} verifies "
+                                      f"but does not restore: {_one_line(e)}") from e
+            log.error("CHECKPOINT DAMAGED: step %d could not be restored: %s", step, e)
+            return f"restore failed: {_one_line(e)}"
+
+    def _set_aside(self, step: int) -> None:
+        """Renames a damaged step out of Orbax's sight, keeping it for inspection."""
+        if mh.is_primary():
+            src = self.directory / str(step)
+            dst = self.directory / f"{step}{DAMAGED}"
+            while dst.exists():
+                dst = dst.parent / f"{dst.name}+"
+            try:
+                src.rename(dst)
+                log.error("checkpoint step %d moved to %s", step, dst)
+            except OSError as e:  # some buckets cannot rename a folder: drop it instead
+                log.error("could not move damaged step %d (%s): deleting it", step, e)
+                src.rmtree()
+        mh.barrier(f"set-aside-{step}")
+        self.mngr.reload()
+
     def restore_item(self, step: int, name: str, template: Any) -> Any:
         """Restores one item (e.g. ``policy`` for evaluation or export)."""
         out = self.mngr.restore(step, args=ocp.args.Composite(
             **{name: ocp.args.StandardRestore(template)}))
         return out[name]
 
+    def latest_good_item(self, name: str, template: Any, step: int | None = None
+                         ) -> tuple[int, Any] | None:
+        """``(step, tree)`` of item ``name`` from ``step`` (default: the newest step whose
+        ``name`` files verify); read-only, damaged steps are reported and skipped. None when
+        there are no checkpoints; ``CheckpointError`` when none (or ``step``) is good."""
+        steps = [step] if step is not None else sorted(self.mngr.all_steps(), reverse=True)
+        if not steps:
+            return None
+        failures = []
+        for s in steps:
+            why = self._problems(s, (name,),
+                               lambda s=s: (self.restore_item(s, name, template),))
+            if isinstance(why, tuple):
+                return s, why[0]
+            failures.append(f"step {s}: {why}")
+        raise CheckpointError(f"no usable {name} checkpoint in {self.directory} "
+                              f"({'; '.join(failures)})")
+
     def close(self) -> None:
-        self.mngr.close()
+        try:
+            self.mngr.close()
+        except Exception as e:  # a failed async save re-raises here; it was reported
+            log.warning("closing the checkpoint manager: %s", _one_line(e))
+        _ABSL.removeFilter(_QUIET)
+
+
+class _QuietOrbaxTracebacks(logging.Filter):
+    """Drops Orbax's ERROR records that carry a traceback: one failed write (a full disk)
+    logs one from every item's writer thread, hundreds of lines, while ``save`` raises
+    one ``CheckpointError`` that names the first cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.exc_info
+                    and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+_ABSL = logging.getLogger("absl")  # Orbax logs through absl, which logs to this logger
+_QUIET = _QuietOrbaxTracebacks()
+
+
+_THREAD_WAIT_S = 60.0  # how long a failed save waits for Orbax's other writer threads
+
+
+def _ignore_closed_loops(previous):
+    """An unraisable-exception hook that drops ``RuntimeError: Event loop is closed`` (a
+    TensorStore write finishing after Orbax gave up on the save, calling back into its
+    closed event loop) and passes everything else on."""
+    def hook(unraisable) -> None:
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    return hook
+
+
+def _write_cause(e: BaseException) -> str:
+    """The operating system's reason for a failed write (``No space left on device, errno
+    28``), found in the exception chain or in TensorStore's message; else the message."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return f"{seen.strerror}, errno {seen.errno}"
+        m = re.search(r"([^:\]]+) \[os_error_code='(\d+)'\]", str(seen))
+        if m:
+            return f"{m.group(1).strip()}, errno {m.group(2)}"
+        seen = seen.__cause__ or seen.__context__
+    return _one_line(e)
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text[:300]
+
+
+# ---- what a run directory keeps besides checkpoints ------------------------------------
+MODEL_SUBDIR = "model"  # an HF run's config.json and tokenizer (the weights stay at model.path)
+TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model")
+
+
+def record_model(run_dir: Path, config_json: Path, tokenizer: Path) -> None:
+    """Copies an HF model's ``config.json`` and tokenizer into ``RUN/model/``, so the run's
+    checkpoints can be evaluated, exported and served without ``model.path``."""
+    own = Path(run_dir) / MODEL_SUBDIR
+    own.mkdir(parents=True, exist_ok=True)
+    for src in (config_json, tokenizer):
+        dst = own / src.name
+        if not dst.exists() or dst.read_bytes() != src.read_bytes():
+            shutil.copyfile(src, dst)
+
+
+def run_model_files(run_dir: Path, subdirs: tuple[str, ...]) -> tuple[Path, Path] | None:
+    """``(config.json, tokenizer file)`` the run keeps in the first of ``subdirs`` that has
+    both (e.g. ``warmstart/policy`` + ``warmstart``, or ``model``); None when none does."""
+    for sub in subdirs:
+        folder = Path(run_dir) / sub
+        config = next((c for c in (folder / "config.json", folder / "policy" / "config.json")
+                       if c.exists()), None)
+        tok = next((folder / n for n in TOKENIZER_NAMES if (folder / n).exists()), None)
+        if config is not None and tok is not None:
+            return config, tok
+    return None

@@ -85,8 +85,11 @@ def mirror(rd: RunDir) -> None:
         log.warning("could not mirror %s to %s: %s", rd.local, rd.remote, e)
 
 
-def pull(rd: RunDir) -> None:
-    """Bucket logs -> local before a resume (no-op for a local run)."""
+def pull(rd: RunDir, only: str | None = None) -> None:
+    """Bucket files -> local before a resume (no-op for a local run); ``only`` limits it
+    to one sub-folder."""
     if rd.remote is not None:
-        n = copy_tree(rd.remote, rd.local)
-        log.info("pulled %d files from %s to %s", n, rd.remote, rd.local)
+        src, dst = (rd.remote, rd.local) if only is None else (
+            f"{rd.remote}/{only}", rd.local / only)
+        n = copy_tree(src, dst)
+        log.info("pulled %d files from %s to %s", n, src, dst)

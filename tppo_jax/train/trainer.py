@@ -40,7 +40,7 @@ from tppo_jax.parallel.mesh import layout_rules, make_mesh, reshard
 from tppo_jax.rewards.math import MathGrader, overlong_penalty
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import RolloutBatch, TruncatedRolloutScheduler
-from tppo_jax.train.checkpoint import Checkpointer
+from tppo_jax.train.checkpoint import Checkpointer, record_model
 from tppo_jax.train.evaluate import evaluate
 from tppo_jax.train.metrics import MetricsWriter
 from tppo_jax.train.run_dir import mirror, pull, resolve_run_dir
@@ -52,7 +52,7 @@ from tppo_jax.train.step import (
     rollout_targets,
     value_update,
 )
-from tppo_jax.train.warmstart import synthetic_task, warmstart
+from tppo_jax.train.warmstart import RUN_SUBDIR, run_warmstart, synthetic_task
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +93,11 @@ class Models:
 
 
 def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models:
-    """Tiny default: warm-started (cached in the run dir's parent). HF: loaded from disk."""
+    """Tiny default: warm-started (the run dir's own copy, else the cache in its parent).
+    HF: loaded from disk."""
     if cfg.model.source == "tiny":
-        # Process 0 trains (or finds) the cached warm-start; then every host loads it into
-        # its shards (a host that does not share the disk trains the same seeded model).
-        if mh.is_primary():
-            warmstart(cfg, run_dir.parent, progress=progress)
-        mh.barrier("warmstart")
-        tok, policy, cache = warmstart(cfg, run_dir.parent, progress=False, mesh=mesh)
-        tok_file = cache / "tokenizer.model"
+        tok, policy, folder = run_warmstart(cfg, run_dir, progress=progress, mesh=mesh)
+        tok_file = folder / "tokenizer.model"
     else:
         from tppo_jax.models.hf import from_pretrained
 
@@ -112,6 +108,8 @@ def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models
             raise ConfigError(f"model.path {path}: no tokenizer.json or tokenizer.model found")
         tok = Tokenizer.load(tok_file)
         policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh)  # straight to shards
+        if mh.is_primary():  # the run's checkpoints then restore without model.path
+            record_model(run_dir, path / "config.json", tok_file)
     if cfg.model.value_init == "path":
         from tppo_jax.models.hf import from_pretrained
 
@@ -218,8 +216,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                           f"continue the run, or choose a new --run-dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     primary = mh.is_primary()  # process 0 writes the run dir's files
-    if resume and primary:
-        pull(rd)  # a bucket run's logs, so the resumed run appends to them
+    if resume:  # a bucket run's logs, so the resumed run appends to them (other hosts:
+        pull(rd, only=None if primary else RUN_SUBDIR)  # only the warm-start they load)
     if primary:
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
     r, a = cfg.rollout, cfg.algo
@@ -286,9 +284,10 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                                   if k != "slots"}})}
 
     start, meta = 0, None
-    if resume and ckpt.latest_step() is not None:
-        step0 = ckpt.latest_step()
-        trees, meta = ckpt.restore(step0, ckpt_trees())
+    # The newest checkpoint whose manifest verifies (damaged ones are reported, set aside).
+    restored = ckpt.restore_latest(ckpt_trees()) if resume else None
+    if restored is not None:
+        _, trees, meta = restored
         models.policy, models.value = trees["policy"], trees["value"]
         opt_p, opt_v = _on_mesh(trees["policy_opt"], mesh), _on_mesh(trees["value_opt"], mesh)
         host = _host_meta(meta)

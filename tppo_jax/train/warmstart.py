@@ -5,7 +5,8 @@ base policy is trained on a *noisy* teacher corpus (a known fraction of solution
 wrong step or drop the ``\\boxed{}`` format): it learns the procedure but samples wrong or
 unformatted answers often, which the reward can then fix. The result (tokenizer +
 HF-format weights) is cached by a hash of everything that affects it, so a second run
-skips it.
+skips it, and copied into the run directory (``RUN/warmstart/``): a run directory moved,
+copied or read back from a bucket resumes, evaluates and exports without the cache.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -31,6 +33,8 @@ from tppo_jax.models.tokenizer import Tokenizer, train_sentencepiece
 from tppo_jax.models.transformer import ModelConfig, Transformer, create_model
 
 log = logging.getLogger(__name__)
+
+RUN_SUBDIR = "warmstart"  # the run directory's own copy of its warm-start
 
 TEACHER_WRONG_STEP_FRAC = 0.2
 TEACHER_NO_FORMAT_FRAC = 0.6
@@ -90,17 +94,73 @@ def _sft_step(model: Transformer, opt: nnx.Optimizer, ids: jax.Array, mask: jax.
     return loss
 
 
-def warmstart(cfg: Config, cache_root: Path, *, progress: bool = True, mesh=None
-              ) -> tuple[Tokenizer, Transformer, Path]:
-    """Returns ``(tokenizer, policy, cache_dir)``, training them unless cached. The policy
-    is read back from the cache, straight into its shards when a mesh is given."""
+def cached(cfg: Config, cache_root: Path, *, progress: bool = True) -> Path:
+    """The shared cache folder of ``cfg``'s warm-start, trained first if missing."""
     cache = Path(cache_root) / f"warmstart-{warmstart_key(cfg)}"
     if (cache / "DONE").exists():
         log.info("warm-start: reusing %s", cache)
     else:
         _train(cfg, cache, progress)
-    tok = Tokenizer.load(cache / "tokenizer.model")
-    return tok, from_pretrained(cache / "policy", dtype=cfg.model.dtype, mesh=mesh), cache
+    return cache
+
+
+def warmstart(cfg: Config, cache_root: Path, *, progress: bool = True, mesh=None
+              ) -> tuple[Tokenizer, Transformer, Path]:
+    """Returns ``(tokenizer, policy, cache_dir)``, training them unless cached. The policy
+    is read back from the cache, straight into its shards when a mesh is given."""
+    cache = cached(cfg, cache_root, progress=progress)
+    return (*_load(cfg, cache, mesh), cache)
+
+
+def _load(cfg: Config, folder: Path, mesh) -> tuple[Tokenizer, Transformer]:
+    tok = Tokenizer.load(folder / "tokenizer.model")
+    return tok, from_pretrained(folder / "policy", dtype=cfg.model.dtype, mesh=mesh)
+
+
+def run_copy(cfg: Config, run_dir: Path) -> Path | None:
+    """The run directory's own finished warm-start for ``cfg`` (None when it has none)."""
+    own = Path(run_dir) / RUN_SUBDIR
+    try:
+        key = json.loads((own / "DONE").read_text())["key"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return own if key == warmstart_key(cfg) else None
+
+
+def copy_into_run(cfg: Config, cache: Path, run_dir: Path) -> Path:
+    """Copies a finished warm-start into ``RUN/warmstart/`` (``DONE`` last, naming its
+    key), replacing an older one made for another config."""
+    own = Path(run_dir) / RUN_SUBDIR
+    if own.exists():
+        shutil.rmtree(own)
+    tmp = own.with_name(f"{RUN_SUBDIR}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(cache, tmp, ignore=shutil.ignore_patterns("DONE"))
+    tmp.rename(own)
+    (own / "DONE").write_text(json.dumps({"key": warmstart_key(cfg), "copied_from": str(cache)}))
+    return own
+
+
+def run_warmstart(cfg: Config, run_dir: Path, *, progress: bool = True, mesh=None
+                  ) -> tuple[Tokenizer, Transformer, Path]:
+    """``(tokenizer, policy, folder)`` of a run: its own copy when it has one (a moved or
+    copied run never repeats the warm-start), else the shared cache beside the run dir
+    (trained if missing), copied into the run dir by process 0. A host that does not
+    share the run dir's disk trains the same seeded model itself."""
+    from tppo_jax.parallel import multihost as mh
+
+    run_dir = Path(run_dir)
+    if run_copy(cfg, run_dir) is None and mh.is_primary():
+        cache = cached(cfg, run_dir.parent, progress=progress)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        copy_into_run(cfg, cache, run_dir)
+    mh.barrier("warmstart")
+    own = run_copy(cfg, run_dir)
+    if own is not None:
+        log.info("warm-start: using the run's own copy in %s", own)
+        return (*_load(cfg, own, mesh), own)
+    return warmstart(cfg, run_dir.parent, progress=False, mesh=mesh)
 
 
 def _train(cfg: Config, cache: Path, progress: bool) -> None:
@@ -108,6 +168,8 @@ def _train(cfg: Config, cache: Path, progress: bool) -> None:
     done = cache / "DONE"
     cache.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
+    log.info("warm-start: training the tokenizer and %d SFT steps into %s",
+             cfg.train.warmstart_steps, cache)
     task = synthetic_task(cfg)
     texts = task.teacher_corpus(TEACHER_SIZE, TEACHER_WRONG_STEP_FRAC, TEACHER_NO_FORMAT_FRAC)
     tok = train_sentencepiece(texts, cache / "tokenizer", vocab_size=128)
