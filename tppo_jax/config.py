@@ -173,6 +173,8 @@ class TrainConfig:
     warmstart_steps: int = 800  # supervised steps on the teacher corpus (tiny model)
     warmstart_lr: float = 3e-3
     warmstart_batch: int = 32
+    # jax's persistent compilation cache ("" = off): a rerun loads its executables from here
+    compile_cache: str = "~/.cache/tppo-jax/xla"
 
 
 @dataclass(frozen=True)
