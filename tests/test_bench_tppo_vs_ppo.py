@@ -3,8 +3,7 @@
 import json
 
 import pytest
-
-from benchmarks.tppo_vs_ppo import _medians, _out_name, summarize_run
+from tppo_jax.benchmarks.tppo_vs_ppo import _medians, _out_name, summarize_run
 
 
 def _write(run, steps):
