@@ -155,16 +155,23 @@ def run(args: argparse.Namespace) -> dict:
     arch = ARCHITECTURES[args.arch]
     kv = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2  # bf16 K and V
     slots = args.prompts * args.group
-    acc_unit = accelerator_units(arch.n_params(), kv, slots, args.chips, args.device, args.mfu,
+    acc_unit = accelerator_units(arch.n_params, kv, slots, args.chips, args.device, args.mfu,
                                  args.bw_eff, unit["t_grade"], args.grader_workers)
     big = lognormal_lengths(slots * args.batches, args.median_frac * args.L, args.sigma, args.L)
     out["paper_scale"] = {
-        "arch": args.arch, "params": arch.n_params(), "kv_bytes_per_token": kv,
+        "arch": args.arch, "params": arch.n_params, "kv_bytes_per_token": kv,
         "slots": slots, "L": args.L, "window": args.l, "units": acc_unit,
         "lengths": _stats(big),
         **{mode: _compare(big, slots, args.l, args.L, args.prompt_len, acc_unit,
                           mode == "packed", sample_ratio) for mode in ("padded", "packed")},
     }
+    # How the projection moves with the length distribution (the least known input).
+    out["paper_scale"]["sensitivity"] = {
+        f"median_frac={f}": {mode: _compare(
+            lognormal_lengths(slots * args.batches, f * args.L, args.sigma, args.L), slots,
+            args.l, args.L, args.prompt_len, acc_unit, mode == "packed",
+            sample_ratio)["time_to_target_ratio"] for mode in ("padded", "packed")}
+        for f in (0.0625, 0.125, 0.25, 0.4)}
     _strip_counts(out)
     path = Path(args.out) / "cost_model.json"
     path.parent.mkdir(parents=True, exist_ok=True)
