@@ -29,11 +29,14 @@ _BACKEND_EVENT = _COMPILE_EVENTS[-1]
 
 
 def width_buckets(cap: int, base: int = 32) -> list[int]:
-    """The column widths a batch may have: ``base * 2^k`` and ``1.5 * base * 2^k`` below
-    ``cap``, then ``cap`` (so a width wastes at most half of itself in padding)."""
+    """The column widths a batch may have: ``base * 2^k`` below ``cap``, then ``cap``.
+
+    Powers of two keep the count logarithmic in ``cap`` (6 for a 576-token buffer, against 18
+    multiples of 32); a batch pays at most twice its width, cheaper than a compile per
+    width on CPU where one compile of the three update functions costs tens of steps."""
     out, w = [], base
     while w < cap:
-        out += [w] + ([w * 3 // 2] if w * 3 // 2 < cap else [])
+        out.append(w)
         w *= 2
     return [*out, cap]
 
@@ -43,14 +46,17 @@ def bucket_width(n: int, cap: int, base: int = 32) -> int:
     return next(w for w in width_buckets(cap, base) if w >= min(n, cap))
 
 
-def bucket_rows(need: int, total: int, unit: int) -> int:
-    """The smallest ``total / 2^k`` that holds ``need`` rows and is a multiple of ``unit``
-    (minibatches x micro-batches x data-parallel ways, so the rows still split evenly).
+def bucket_rows(need: int, total: int, unit: int, levels: int = 3) -> int:
+    """The smallest of ``total, total/2, ..., total/2^(levels-1)`` that holds ``need`` rows
+    and is a multiple of ``unit`` (minibatches x micro-batches x data-parallel ways, so the
+    rows still split evenly). ``levels`` bounds the row shapes (and so the compiles).
 
     ``total`` itself when nothing smaller qualifies; ``0 < need <= total`` is assumed.
     """
     best, r = total, total
-    while r % 2 == 0 and (r // 2) % unit == 0 and r // 2 >= need:
+    for _ in range(levels - 1):
+        if r % 2 or (r // 2) % unit or r // 2 < need:
+            break
         r //= 2
         best = r
     return best
