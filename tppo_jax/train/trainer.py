@@ -212,12 +212,16 @@ def step_process_rewards(cfg: Config, tok: Tokenizer, rb: RolloutBatch, rows: np
 
 def _on_mesh(tree: Any, mesh) -> Any:
     """Puts leaves that live off the mesh (optimizer step counts, restored scalars) on it,
-    replicated; a jitted step refuses arguments committed to different device sets."""
-    devices = set(mesh.devices.flat)
+    replicated; a jitted step refuses arguments committed to different device sets. Leaves
+    must look exactly as the step's outputs will (a mesh sharding, committed): an uncommitted
+    step count would make the first update's executable a cache entry of its own, compiled
+    again on the second step."""
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def put(x):
-        if isinstance(x, jax.Array) and set(x.sharding.device_set) == devices:
+        if (isinstance(x, jax.Array) and x.committed
+                and isinstance(x.sharding, jax.sharding.NamedSharding)
+                and x.sharding.mesh == mesh):
             return x
         return jax.device_put(x, rep)
 
