@@ -1,12 +1,17 @@
 """T-PPO (window l) vs synchronous PPO (l = L), side by side on the same task, model and seeds.
 
-Each (method, seed) run trains until held-out greedy accuracy reaches ``--target`` (percent)
-or ``--budget-s`` seconds of training wall-clock pass (held-out evals excluded from the
-clock). Both methods start from the same warm-started policy. Writes
-``results/tppo_vs_ppo.json`` (per seed and median: ``time_to_target_s`` per method and
-``speedup``) and ``results/tppo_vs_ppo.png`` (held-out accuracy vs training wall-clock).
+Each (method, seed) run trains until held-out accuracy (avg@k sampled) reaches ``--target``
+(percent) or ``--budget-s`` seconds of training wall-clock pass (held-out evals excluded from
+the clock). Both methods start from the same warm-started policy. Writes
+``results/tppo_vs_ppo.json`` for the default config, ``results/tppo_vs_ppo_<config>.json``
+otherwise (per seed and median: ``time_to_target_s`` per method and ``speedup``; rollout
+throughput as finished samples and useful -- finished -- tokens per second of rollout, and
+``throughput_ratio`` = T-PPO / PPO finished samples per second; occupancy; the step time split
+into rollout / grading / update / compile; the task's solution-length distribution in tokens)
+and the matching PNG (held-out accuracy vs training wall-clock).
 
     tppo bench tppo-vs-ppo --seeds 3 --target 60 --budget-s 600
+    tppo bench tppo-vs-ppo --config longtail --seeds 3 --target 30 --budget-s 1800
 """
 
 from __future__ import annotations
@@ -17,27 +22,45 @@ import statistics
 from pathlib import Path
 
 METHODS = {"tppo": [], "ppo": ["rollout.window={L}"]}
+PHASES = ("rollout", "grading", "update", "compile")
 
 
 def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def summarize_run(run_dir: Path, target: float) -> dict:
-    """Time/steps to target from a run's metrics.jsonl (None when never reached)."""
+def summarize_run(run_dir: Path, target: float, slots: int | None = None) -> dict:
+    """Time/steps to target and throughput from a run's metrics.jsonl (None when never
+    reached). ``slots`` recovers finished counts from runs that logged only the fraction."""
     rows = _rows(run_dir)
     steps = [r for r in rows if "reward_mean" in r]
     evals = [r for r in rows if "eval_accuracy" in r]
     hit = next((r for r in evals if r["eval_accuracy"] >= target), None)
     train_time = {r["step"]: r["train_time_s"] for r in steps}
+    fin = [r.get("finished", round(r["finished_frac"] * (slots or 0))) for r in steps]
+    useful = sum(f * r["response_len_mean"] for f, r in zip(fin, steps, strict=True))
+    split = {k: float(sum(r.get(f"time_{k}_s", 0.0) for r in steps)) for k in PHASES}
+    roll = max(split["rollout"], 1e-9)
+    wall = steps[-1]["train_time_s"] if steps else 0.0
     return {
         "time_to_target_s": train_time.get(hit["step"]) if hit else None,
         "steps_to_target": hit["step"] if hit else None,
         "final_eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
+        "steps": len(steps),
+        "train_time_s": wall,
         "tokens_generated": int(sum(r["tokens"] for r in steps)),
+        "finished_samples": int(sum(fin)),
+        "finished_per_s": sum(fin) / roll,  # per second of rollout (compile excluded)
+        "useful_tokens_per_s": useful / roll,  # tokens of finished responses, same clock
+        "finished_per_wall_s": sum(fin) / max(wall, 1e-9),
         "occupancy_mean": statistics.fmean(r["occupancy"] for r in steps) if steps else None,
-        "time_split_s": {k: float(sum(r[f"time_{k}_s"] for r in steps))
-                         for k in ("rollout", "grading", "update")},
+        "response_len_mean": statistics.fmean(r["response_len_mean"] for r in steps
+                                              if r["response_len_mean"]) if any(fin) else None,
+        "response_len_max": max((r["response_len_max"] for r in steps), default=None),
+        "time_split_s": split,
+        "step_time_median_s": {k: statistics.median(r.get(f"time_{k}_s", 0.0) for r in steps)
+                               for k in PHASES} if steps else None,
+        "compiles": int(sum(r.get("compiles", 0) for r in steps)),
         "curve": _before(run_dir) + [(train_time.get(r["step"], 0.0), r["eval_accuracy"])
                                      for r in evals],
     }
@@ -48,15 +71,27 @@ def _before(run_dir: Path) -> list[tuple[float, float]]:
     return [(0.0, json.loads(path.read_text())["accuracy"])] if path.exists() else []
 
 
+def _out_name(config: str) -> str:
+    stem = Path(config).stem
+    return "tppo_vs_ppo" if stem == "default" else f"tppo_vs_ppo_{stem}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if (a and b) else None
+
+
 def run(args: argparse.Namespace) -> dict:
     from tppo_jax.config import load_config
     from tppo_jax.train.trainer import train
 
     out_dir = Path(args.out)
+    name = _out_name(args.config)
     base = load_config(args.config)
     L = base.rollout.max_response_len
     results: dict = {"target": args.target, "budget_s": args.budget_s, "config": args.config,
+                     "L": L, "window": base.rollout.window, "slots": base.rollout.slots,
                      "seeds": {}}
+    runs = out_dir / "runs" / ("" if name == "tppo_vs_ppo" else Path(args.config).stem)
     for seed in range(args.seeds):
         per = {}
         for method, extra in METHODS.items():
@@ -65,32 +100,70 @@ def run(args: argparse.Namespace) -> dict:
                          f"train.time_budget_s={args.budget_s}", f"train.steps={args.max_steps}",
                          *[e.format(L=L) for e in extra], *args.overrides]
             cfg = load_config(args.config, overrides)
-            run_dir = out_dir / "runs" / f"{method}-seed{seed}"
+            run_dir = runs / f"{method}-seed{seed}"
             if not args.summarize_only:  # else: re-read the run dirs of an earlier run
                 if run_dir.exists():
                     import shutil
 
                     shutil.rmtree(run_dir)
                 train(cfg, run_dir, progress=not args.no_progress)
-            per[method] = summarize_run(run_dir, args.target)
+            per[method] = summarize_run(run_dir, args.target, cfg.rollout.slots)
         t, p = per["tppo"]["time_to_target_s"], per["ppo"]["time_to_target_s"]
-        per["speedup"] = (p / t) if (t and p) else None
+        per["speedup"] = _ratio(p, t)
+        per["throughput_ratio"] = _ratio(per["tppo"]["finished_per_s"],
+                                         per["ppo"]["finished_per_s"])
         results["seeds"][str(seed)] = per
-        print(f"seed {seed}: T-PPO {t} s, PPO {p} s, speedup {per['speedup']}")
-    speedups = [s["speedup"] for s in results["seeds"].values() if s["speedup"]]
-    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
-    results["median"] = {
-        "time_to_target_s": {m: med([s[m]["time_to_target_s"] for s in results["seeds"].values()
-                                     if s[m]["time_to_target_s"]]) for m in METHODS},
+        print(f"seed {seed}: T-PPO {t} s, PPO {p} s, speedup {per['speedup']}, "
+              f"throughput ratio {per['throughput_ratio']}")
+    results["median"] = _medians(results["seeds"])
+    results["lengths"] = _length_report(runs, load_config(args.config))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(results, indent=2))
+    _plot(results, out_dir / f"{name}.png")
+    print(json.dumps(results["median"], indent=2))
+    return results
+
+
+def _medians(seeds: dict) -> dict:
+    """Medians over seeds of the headline numbers (seeds where a value is None left out)."""
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    per = list(seeds.values())
+    speedups = [s["speedup"] for s in per if s["speedup"]]
+    out = {
+        "time_to_target_s": {m: med(s[m]["time_to_target_s"] for s in per) for m in METHODS},
         "speedup": med(speedups),
         "speedup_min": min(speedups) if speedups else None,
         "speedup_max": max(speedups) if speedups else None,
+        "throughput_ratio": med(s["throughput_ratio"] for s in per),
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "tppo_vs_ppo.json").write_text(json.dumps(results, indent=2))
-    _plot(results, out_dir / "tppo_vs_ppo.png")
-    print(json.dumps(results["median"], indent=2))
-    return results
+    for key in ("finished_per_s", "useful_tokens_per_s", "occupancy_mean", "train_time_s",
+                "final_eval_accuracy"):
+        out[key] = {m: med(s[m][key] for s in per) for m in METHODS}
+    out["time_split_s"] = {m: {k: med(s[m]["time_split_s"][k] for s in per) for k in PHASES}
+                           for m in METHODS}
+    return out
+
+
+def _length_report(runs: Path, cfg) -> dict | None:
+    """Solution lengths in tokens of the warm-start tokenizer (2000 training problems):
+    median / p90 / p99 / max, against L."""
+    import numpy as np
+
+    from tppo_jax.models.tokenizer import Tokenizer
+    from tppo_jax.train.warmstart import synthetic_task, warmstart_key
+
+    tok_file = runs / f"warmstart-{warmstart_key(cfg)}" / "tokenizer.model"
+    if cfg.data.source != "synthetic" or not tok_file.exists():
+        return None
+    tok = Tokenizer.load(tok_file)
+    n = np.array([len(tok.encode(e.solution)) + 1 for e in synthetic_task(cfg).sample(2000)])
+    return {"unit": "tokens (solution + EOS)", "n": int(n.size), "median": float(np.median(n)),
+            "p90": float(np.percentile(n, 90)), "p99": float(np.percentile(n, 99)),
+            "max": int(n.max()), "L": cfg.rollout.max_response_len,
+            "frac_over_L_over_4": float((n > cfg.rollout.max_response_len / 4).mean())}
 
 
 def _plot(results: dict, path: Path) -> None:

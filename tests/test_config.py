@@ -8,7 +8,7 @@ import pytest
 from tppo_jax.config import Config, ConfigError, load_config, parse_override, validate
 
 
-@pytest.mark.parametrize("name", ["default", "ppo", "smoke"])
+@pytest.mark.parametrize("name", ["default", "ppo", "smoke", "longtail"])
 def test_shipped_configs_load(name):
     cfg = load_config(name)
     assert isinstance(cfg, Config)

@@ -39,6 +39,8 @@ def _batch(seed=0):
         "window_start": np.full(B, P, np.int32), "window_len": wlen.astype(np.int32),
         "finished": rng.random(B) < 0.6, "reward": rng.integers(0, 2, B).astype(np.float32),
         "sample_logprobs": np.where(attn, -rng.random((B, S)).astype(np.float32) * 3, 0.0),
+        "correct": rng.random(B) < 0.5,
+        "shuffle": rng.random((B, 1)).astype(np.float32),  # epoch order, sharded like a row
     }
 
 
@@ -72,7 +74,12 @@ def _run(mesh):
     targets = targets_fn(vp, batch)
     full = {**batch, **targets}
     pp, _, pstats = pol_fn(pp, op, full)
-    vp, _, vstats = val_fn(vp, ov, full)
+    # The critic on a row subset, gathered from the sharded batch (finished rows first).
+    rows = np.argsort(~np.asarray(jax.device_get(batch["finished"])), kind="stable")
+    rows = jnp.asarray(rows.astype(np.int32))
+    if mesh is not None:
+        rows = jax.device_put(rows, batch_sharding(mesh, 1, rows.shape))
+    vp, _, vstats = val_fn(vp, ov, {**full, "value_rows": rows})
     if mesh is not None:  # updated params come back exactly where they were
         assert jax.tree.map(lambda x: x.sharding, (pp, vp)) == placed
     return jax.device_get((pp, vp, pstats, vstats, targets["advantages"])), pp

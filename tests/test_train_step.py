@@ -23,6 +23,7 @@ def _batch(b=4, p=3, n=6, seed=0):
         "window_len": jnp.asarray(lens, jnp.int32),
         "finished": jnp.ones((b,), bool),
         "reward": jnp.asarray(rng.integers(0, 2, size=b), jnp.float32),
+        "correct": jnp.asarray(rng.integers(0, 2, size=b), bool),
     }, jnp.asarray(rng.normal(size=(b, s)), jnp.float32)
 
 

@@ -245,7 +245,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 BENCHMARKS = {"tppo-vs-ppo": "tppo_vs_ppo", "decode": "decode", "intensity": "intensity",
-              "accelerator": "accelerator"}
+              "accelerator": "accelerator", "cost-model": "cost_model"}
 
 
 def _available_benchmarks() -> list[str]:

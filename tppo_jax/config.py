@@ -119,6 +119,8 @@ class DataConfig:
     difficulty: float = 1.0  # synthetic task: mean extra steps per problem (long tail)
     max_operand: int = 9  # synthetic task: largest number added or subtracted
     max_value: int = 20  # synthetic task: running values stay in [0, max_value]
+    max_steps: int = 12  # synthetic task: most steps (days) a problem has
+    style: Literal["chain", "daily"] = "chain"  # synthetic: "daily" = short question, long answer
     eval_size: int = 128
     seed: int = 0
 
@@ -174,6 +176,8 @@ class TrainConfig:
     warmstart_steps: int = 800  # supervised steps on the teacher corpus (tiny model)
     warmstart_lr: float = 3e-3
     warmstart_batch: int = 32
+    # jax's persistent compilation cache ("" = off): a rerun loads its executables from here
+    compile_cache: str = "~/.cache/tppo-jax/xla"
 
 
 @dataclass(frozen=True)
@@ -367,6 +371,7 @@ def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1
         "model.num_heads": cfg.model.num_heads, "model.num_kv_heads": cfg.model.num_kv_heads,
         "reward.item_timeout_s": cfg.reward.item_timeout_s,
         "reward.batch_deadline_s": cfg.reward.batch_deadline_s,
+        "data.max_steps": cfg.data.max_steps,
     }
     for k, v in positive.items():
         if not v > 0:
@@ -418,6 +423,9 @@ def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1
     if cfg.reward.overlong_buffer > r.max_response_len:
         raise ConfigError(f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) exceeds "
                           f"rollout.max_response_len ({r.max_response_len})")
+    if cfg.data.style == "daily" and cfg.data.max_value < cfg.data.max_steps + 2:
+        raise ConfigError(f"data.max_value ({cfg.data.max_value}) must be >= data.max_steps + 2 "
+                          f"({cfg.data.max_steps + 2}) for daily problems")
     if cfg.model.source == "hf" and not cfg.model.path:
         raise ConfigError("model.path is required when model.source is 'hf'")
     if cfg.model.num_heads % cfg.model.num_kv_heads:

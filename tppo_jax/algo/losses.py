@@ -13,6 +13,10 @@ from jax import Array
 
 Aggregation = Literal["token", "sample"]
 
+# |log rho| beyond this is clamped before exp (verl's bound): exp(89) overflows float32 and the
+# backward pass then multiplies 0 by inf, a NaN that would skip the whole minibatch.
+LOG_RATIO_CLAMP = 20.0
+
 
 def aggregate(per_token: Array, mask: Array, *, mode: Aggregation = "token") -> Array:
     """Reduces a ``[B, T]`` loss over ``mask``.
@@ -45,7 +49,8 @@ def policy_loss(
 ) -> tuple[Array, dict[str, Array]]:
     """Clipped surrogate with clip-higher and dual clip.
 
-    ``rho = exp(logp - logp_old)``;
+    ``rho = exp(clip(logp - logp_old, -20, 20))`` (``LOG_RATIO_CLAMP``: no overflow, so no
+    NaN gradient; a clamped token carries no gradient through rho, like any clipped one);
     ``l_t = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)``; for ``A < 0`` the
     dual clip caps ``l_t`` at ``c |A|`` so a huge ratio on a bad token cannot
     explode the update.
@@ -56,10 +61,11 @@ def policy_loss(
       advantages: ``[B, T]``.
       mask: ``[B, T]`` policy mask.
     Returns:
-      ``(loss, {"clip_frac", "dual_clip_frac", "approx_kl", "ratio_mean"})``.
+      ``(loss, {"clip_frac", "dual_clip_frac", "approx_kl", "ratio_mean",
+      "log_ratio_absmax"})``.
     """
     m = mask.astype(jnp.float32)
-    log_ratio = (logp - logp_old) * m
+    log_ratio = jnp.clip(logp - logp_old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * m
     ratio = jnp.exp(log_ratio)
     surr1 = ratio * advantages
     surr2 = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
@@ -76,6 +82,7 @@ def policy_loss(
         # k3 estimator of KL(old || new): unbiased and always >= 0.
         "approx_kl": aggregate(jnp.expm1(-log_ratio) + log_ratio, m),
         "ratio_mean": aggregate(ratio, m),
+        "log_ratio_absmax": jnp.abs(log_ratio).max(),  # masked tokens are 0
     }
     return aggregate(loss, m, mode=aggregation), stats
 

@@ -13,6 +13,18 @@ The number of steps is ``1 + Geometric(p)`` (capped at ``max_steps``) with ``p =
 so response lengths are long-tailed: most are short, a few are several times the median -- the
 regime in which truncated rollouts pay off.
 
+``style="daily"`` asks for one operation repeated over ``n`` days (``n`` drawn as above), so a
+short question asks for a long worked solution -- the shape of a reasoning trace:
+
+    Q: Ann has 40 cards. Each day she gives away 3. How many cards after 4 days?
+    A: day 1: 40 - 3 = 37
+    day 2: 37 - 3 = 34
+    day 3: 34 - 3 = 31
+    day 4: 31 - 3 = 28
+    \\boxed{28}
+
+The operand shrinks as ``n`` grows so every value stays in ``[0, max_value]``.
+
 ``teacher_corpus`` produces warm-start texts with a *known* fraction of wrong intermediate steps
 (propagated to the final answer) and of missing ``\\boxed{}`` formats, so the warm-started policy
 makes mistakes that RL can fix.
@@ -43,9 +55,15 @@ class Problem:
     item: str
     start: int
     steps: tuple[tuple[str, int], ...]
+    daily: bool = False  # one step repeated once per day (``style="daily"``)
 
     def question(self) -> str:
         """The word problem text."""
+        if self.daily:
+            op, x = self.steps[0]
+            return (f"{self.name} has {self.start} {self.item}. Each day "
+                    f"{_pronoun(self.name).lower()} {_phrase(op, x)}. How many {self.item} "
+                    f"after {len(self.steps)} days?")
         phrases = [_phrase(op, x) for op, x in self.steps]
         body = ", then ".join(phrases)
         return (f"{self.name} has {self.start} {self.item}. {_pronoun(self.name)} {body}. "
@@ -109,6 +127,8 @@ class SyntheticMathTask:
       max_operand: largest added/subtracted number (1-2 digits).
       max_value: intermediate values stay in ``[0, max_value]``.
       test_fraction: share of the problem space (by question hash) reserved for ``split="test"``.
+      style: ``"chain"`` (a different step per line, all named in the question) or
+        ``"daily"`` (one step repeated per day: short question, long solution).
     """
 
     def __init__(
@@ -120,9 +140,15 @@ class SyntheticMathTask:
         max_operand: int = 20,
         max_value: int = 99,
         test_fraction: float = 0.1,
+        style: str = "chain",
     ) -> None:
         if difficulty < 0:
             raise ValueError("difficulty must be >= 0")
+        if style not in ("chain", "daily"):
+            raise ValueError(f"style must be 'chain' or 'daily', got {style!r}")
+        if max_steps < 1 or (style == "daily" and max_value < max_steps + 2):
+            raise ValueError(f"need 1 <= max_steps and, for daily problems, max_value >= "
+                             f"max_steps + 2 (got max_steps={max_steps}, max_value={max_value})")
         if not 0.0 < test_fraction < 1.0:
             raise ValueError("test_fraction must be in (0, 1)")
         self.seed = seed
@@ -131,6 +157,7 @@ class SyntheticMathTask:
         self.max_operand = max_operand
         self.max_value = max_value
         self.test_fraction = test_fraction
+        self.style = style
 
     # ----------------------------------------------------------------------------- generation
     def _rng(self, split: Split, stream: str) -> random.Random:
@@ -160,7 +187,19 @@ class SyntheticMathTask:
         weights = [3 if op in "+-" else 1 for op, _ in choices]
         return rng.choices(choices, weights=weights)[0]
 
+    def _daily_problem(self, rng: random.Random) -> Problem:
+        """One step repeated for ``n`` days, values kept in ``[0, max_value]``."""
+        n = self._num_steps(rng)
+        x = rng.randint(1, max(1, min(self.max_operand, (self.max_value - 2) // n)))
+        if rng.random() < 0.5:
+            op, start = "+", rng.randint(2, self.max_value - n * x)
+        else:
+            op, start = "-", rng.randint(max(n * x, 2), self.max_value)
+        return Problem(rng.choice(NAMES), rng.choice(ITEMS), start, ((op, x),) * n, daily=True)
+
     def _problem(self, rng: random.Random) -> Problem:
+        if self.style == "daily":
+            return self._daily_problem(rng)
         start = rng.randint(2, min(30, self.max_value))
         steps = []
         v = start
@@ -198,7 +237,8 @@ class SyntheticMathTask:
             r = apply_op(v, op, x)
             if i == wrong_step:
                 r = r + delta
-            lines.append(f"{_fmt(v)} {op} {x} = {_fmt(r)}")
+            day = f"day {i + 1}: " if prob.daily else ""
+            lines.append(f"{day}{_fmt(v)} {op} {x} = {_fmt(r)}")
             v = r
         return lines, v
 
@@ -211,7 +251,7 @@ class SyntheticMathTask:
             question=q,
             answer=_fmt(v),
             solution="\n".join([*lines, f"\\boxed{{{_fmt(v)}}}"]),
-            source=f"synthetic(seed={self.seed},difficulty={self.difficulty})",
+            source=f"synthetic(seed={self.seed},difficulty={self.difficulty},style={self.style})",
         )
 
     def sample(self, n: int, split: Split = "train") -> list[MathExample]:

@@ -179,7 +179,8 @@ class MathGrader:
         kill or a race with an unrelated death should not cost a sample its reward).
       correct_reward, wrong_reward: reward values (e.g. 1/0 or 1/-1).
       no_answer_reward: reward for a missing/unparsable answer (default: ``wrong_reward``).
-      error_reward: reward for ``timeout``/``crash`` items.
+      error_reward: reward for ``timeout``/``crash`` items (default: ``wrong_reward``; a
+        grader failure must never beat a wrong answer, e.g. 0 against -1 rewards).
       require_boxed, accept_answer_line: which answer text is graded (see :func:`grade_one`).
       mv_timeout_s: math-verify's inner timeout in whole seconds (None: off).
       mp_context: ``"forkserver"`` (default where available) or ``"spawn"``; never ``fork``,
@@ -197,7 +198,7 @@ class MathGrader:
         correct_reward: float = 1.0,
         wrong_reward: float = 0.0,
         no_answer_reward: float | None = None,
-        error_reward: float = 0.0,
+        error_reward: float | None = None,
         require_boxed: bool = True,
         accept_answer_line: bool = False,
         mv_timeout_s: int | None = 1,
@@ -217,8 +218,8 @@ class MathGrader:
             "ok": correct_reward,
             "wrong": wrong_reward,
             "no_answer": wrong_reward if no_answer_reward is None else no_answer_reward,
-            "timeout": error_reward,
-            "crash": error_reward,
+            "timeout": wrong_reward if error_reward is None else error_reward,
+            "crash": wrong_reward if error_reward is None else error_reward,
         }
         self.grade_kw: dict[str, Any] = {
             "require_boxed": require_boxed,

@@ -37,13 +37,31 @@ class StepConfig:
     temperature: float
 
 
+def updates_per_step(optim: OptimConfig) -> int:
+    """Optimizer updates one training step makes (when every minibatch has tokens): one per
+    minibatch per epoch. ``grad_accum`` splits a minibatch into micro-batches whose gradients
+    make a single update, so it does not change the count."""
+    return optim.minibatches * optim.epochs
+
+
+def lr_schedule(lr: float, optim: OptimConfig) -> optax.Schedule:
+    """Linear warm-up over ``optim.warmup_steps`` *training steps*, then constant.
+
+    The schedule's clock is optax's update count, so the warm-up is scaled to
+    ``warmup_steps * updates_per_step`` updates (the paper's "20 warm-up steps" with 16
+    minibatches is 320 updates, not 20). A minibatch with nothing to train on takes no update
+    and does not advance the clock (see ``_guarded_apply``).
+    """
+    n = max(optim.warmup_steps * updates_per_step(optim), 1)
+    return optax.join_schedules([optax.linear_schedule(lr / n, lr, n),
+                                 optax.constant_schedule(lr)], [n])
+
+
 def make_optimizer(lr: float, optim: OptimConfig) -> optax.GradientTransformation:
-    """AdamW with linear warm-up then constant, after global-norm clipping."""
-    sched = optax.join_schedules(
-        [optax.linear_schedule(lr / max(optim.warmup_steps, 1), lr, max(optim.warmup_steps, 1)),
-         optax.constant_schedule(lr)], [max(optim.warmup_steps, 1)])
+    """AdamW on ``lr_schedule`` after global-norm clipping."""
     parts = [optax.clip_by_global_norm(optim.grad_clip)] if optim.grad_clip > 0 else []
-    parts.append(optax.adamw(sched, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay))
+    parts.append(optax.adamw(lr_schedule(lr, optim), b1=optim.b1, b2=optim.b2,
+                             weight_decay=optim.weight_decay))
     return optax.chain(*parts)
 
 
@@ -83,7 +101,9 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
 
     Args:
       values: ``[B, S]`` ``V(s_t)`` from the critic at rollout time.
-      batch: ``tokens, prompt_len, window_start, window_len, finished, reward`` and optionally
+      batch: ``tokens, prompt_len, window_start, window_len, finished, reward, correct`` (the
+        grader's verdict, ``[B]`` bool: the positive-example NLL trains on these rows, not on
+        ``reward > 0``, which shaping or +1/-1 rewards make a different set) and optionally
         ``token_rewards [B, S]`` (dense process rewards, added to the outcome reward).
     """
     a = cfg.algo
@@ -123,7 +143,7 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
         returns = algo.gae(rewards, values, rmask, gamma=a.gamma, lam=a.lam_critic) + values
     vmask = algo.value_mask(s, batch["prompt_len"], total, fin)
     posmask = algo.positive_example_mask(s, batch["prompt_len"], total, fin,
-                                         batch["reward"] > 0)
+                                         batch["correct"].astype(bool))
     return {"advantages": adv, "policy_mask": pmask, "returns": returns * rmask,
             "value_mask": vmask, "positive_mask": posmask, "lam": lam}
 
@@ -132,22 +152,43 @@ def _minibatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
     return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
 
 
-def _guarded_apply(tx, grads, opt_state, params, loss):
-    """Applies the update only if loss and grads are finite; else keeps both unchanged."""
+def _guarded_apply(tx, grads, opt_state, params, loss, active):
+    """Applies the update only if the minibatch has tokens to train on (``active``) and its
+    loss and grads are finite; else params *and* optimizer state stay as they were (no AdamW
+    momentum step on a zero gradient, no tick of the learning-rate schedule).
+
+    Returns ``(params, opt_state, skipped)``; ``skipped``: active but non-finite.
+    """
     finite = jnp.isfinite(loss) & jnp.all(jnp.array(
         [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    safe = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+    apply = finite & active
+    safe = jax.tree.map(lambda g: jnp.where(apply, g, 0.0), grads)
     updates, new_opt = tx.update(safe, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa
-    return keep(new_params, params), keep(new_opt, opt_state), ~finite
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)  # noqa
+    return keep(new_params, params), keep(new_opt, opt_state), active & ~finite
 
 
-def _run_epochs(loss_fn, tx, params, opt_state, batch, cfg: StepConfig, name: str):
-    """``cfg.optim.epochs`` passes over ``minibatches`` splits; one optimizer step each, its
-    gradient averaged over ``grad_accum`` micro-batches (memory: one micro-batch's activations
-    at a time). Non-finite loss/grads skip that step (counted as ``{name}_skipped``)."""
+def _epoch_order(batch: dict[str, jax.Array], epoch: int) -> dict[str, jax.Array]:
+    """The batch's rows in this epoch's order: sorted by ``shuffle[:, epoch]`` (``[B, E]``
+    random keys drawn by the caller from its seed and step, so an exact resume replays the same
+    minibatches); in the given order when the batch has no ``shuffle``."""
+    if "shuffle" not in batch:
+        return batch
+    perm = jnp.argsort(batch["shuffle"][:, epoch])
+    return jax.tree.map(lambda x: x[perm], {k: v for k, v in batch.items() if k != "shuffle"})
 
+
+def _run_epochs(loss_fn, active_fn, tx, params, opt_state, batch, cfg: StepConfig, name: str,
+                first_mb: tuple[str, ...] = ()):
+    """``cfg.optim.epochs`` passes over ``minibatches`` splits (rows reshuffled every epoch,
+    see ``_epoch_order``); one optimizer step each, its gradient averaged over ``grad_accum``
+    micro-batches (memory: one micro-batch's activations at a time). A minibatch where
+    ``active_fn(mb)`` is False (no token to train on) takes no step (``{name}_empty_mb``); a
+    non-finite loss/grad skips the step (``{name}_skipped``). Stats are means over the
+    minibatches that stepped; ``first_mb`` stats are also reported for the very first
+    minibatch alone as ``{key}_first_mb`` (before any update of this step).
+    """
     accum = cfg.optim.grad_accum
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -169,21 +210,32 @@ def _run_epochs(loss_fn, tx, params, opt_state, batch, cfg: StepConfig, name: st
     def one(carry, mb):
         p, o = carry
         (loss, stats), grads = accumulated(p, mb)
-        p, o, skipped = _guarded_apply(tx, grads, o, p, loss)
+        active = active_fn(mb)
+        p, o, skipped = _guarded_apply(tx, grads, o, p, loss, active)
         stats = dict(stats, **{f"{name}_loss": loss, f"{name}_grad_norm": optax.tree.norm(grads),
-                               f"{name}_skipped": skipped.astype(jnp.float32)})
+                               f"{name}_skipped": skipped.astype(jnp.float32),
+                               "_active": active.astype(jnp.float32)})
         return (p, o), stats
 
-    mbs = _minibatches(batch, cfg.optim.minibatches)
     carry = (params, opt_state)
-    all_stats = []
-    for _ in range(cfg.optim.epochs):
+    per_mb = []
+    for epoch in range(cfg.optim.epochs):
+        mbs = _minibatches(_epoch_order(batch, epoch), cfg.optim.minibatches)
         carry, stats = jax.lax.scan(one, carry, mbs)
-        all_stats.append(stats)
-    skipped = sum(s[f"{name}_skipped"].sum() for s in all_stats)
-    stats = jax.tree.map(lambda *xs: jnp.mean(jnp.stack([x.mean() for x in xs])), *all_stats)
-    stats[f"{name}_skipped"] = skipped
+        per_mb.append(stats)
+    per_mb = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_mb)  # [epochs * minibatches]
+    w = per_mb.pop("_active")
+    stats = jax.tree.map(lambda x: (x * w).sum() / jnp.maximum(w.sum(), 1.0), per_mb)
+    stats[f"{name}_skipped"] = per_mb[f"{name}_skipped"].sum()
+    stats[f"{name}_empty_mb"] = (1.0 - w).sum()
+    stats.update({f"{k}_first_mb": per_mb[k][0] for k in first_mb})
     return carry[0], carry[1], stats
+
+
+# The ratio statistics of the first minibatch, before this step changed the policy: with the
+# ``keep`` KV policy they measure how far the sampled log-probs (decoded over an older policy's
+# cache) are from a fresh forward pass; later minibatches average that away.
+FIRST_MB_STATS = ("ratio_mean", "approx_kl", "clip_frac", "log_ratio_absmax")
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tx", "cfg"), donate_argnums=(1, 2))
@@ -191,7 +243,9 @@ def policy_update(graphdef: Any, params: Any, opt_state: Any, batch: dict[str, j
                   tx: optax.GradientTransformation, cfg: StepConfig):
     """PPO epochs x minibatches on the policy mask (+ positive-example NLL, weight mu).
 
-    Returns ``(params, opt_state, stats)``; ``stats["policy_loss"]`` is the total loss.
+    ``batch``: ``[B, ...]`` arrays (``compute_targets``' outputs plus ``tokens, attn,
+    sample_logprobs``, optionally ``shuffle [B, epochs]``). Returns ``(params, opt_state,
+    stats)``; ``stats["policy_loss"]`` is the total loss.
     """
     a = cfg.algo
 
@@ -206,14 +260,28 @@ def policy_update(graphdef: Any, params: Any, opt_state: Any, batch: dict[str, j
                      entropy=algo.masked_mean(ent, mb["policy_mask"]))
         return pl + a.nll_coef * nll, stats
 
-    return _run_epochs(loss_fn, tx, params, opt_state, batch, cfg, "policy")
+    def active(mb):
+        n = mb["policy_mask"].sum()
+        return n + mb["positive_mask"].sum() * (a.nll_coef > 0) > 0
+
+    return _run_epochs(loss_fn, active, tx, params, opt_state, batch, cfg, "policy",
+                       first_mb=FIRST_MB_STATS)
 
 
 @partial(jax.jit, static_argnames=("graphdef", "tx", "cfg"), donate_argnums=(1, 2))
 def value_update(graphdef: Any, params: Any, opt_state: Any, batch: dict[str, jax.Array], *,
                  tx: optax.GradientTransformation, cfg: StepConfig):
-    """Clipped value regression to MC returns on the value mask (finished rows only)."""
+    """Clipped value regression to MC returns on the value mask (finished rows only).
+
+    With ``batch["value_rows"]`` (``[R]`` row indices, ``R <= B``: the finished rows padded
+    with unfinished ones) only those rows are run: the critic pays for the rows that have a
+    target, not for the whole batch.
+    """
     a = cfg.algo
+    if "value_rows" in batch:
+        rows = batch["value_rows"]
+        batch = jax.tree.map(lambda x: x[rows], {k: v for k, v in batch.items()
+                                                 if k != "value_rows"})
 
     def loss_fn(p, mb):
         model = nnx.merge(graphdef, p)
@@ -222,7 +290,8 @@ def value_update(graphdef: Any, params: Any, opt_state: Any, batch: dict[str, ja
                                clip_low=a.value_clip_low, clip_high=a.value_clip_high,
                                aggregation=a.loss_aggregation)
 
-    return _run_epochs(loss_fn, tx, params, opt_state, batch, cfg, "value")
+    return _run_epochs(loss_fn, lambda mb: mb["value_mask"].sum() > 0, tx, params, opt_state,
+                       batch, cfg, "value")
 
 
 @partial(jax.jit, static_argnames=("graphdef", "cfg"))

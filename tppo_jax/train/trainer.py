@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -36,7 +37,7 @@ from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.parallel.mesh import layout_rules, make_mesh, reshard
+from tppo_jax.parallel.mesh import data_parallel_size, layout_rules, make_mesh, reshard
 from tppo_jax.rewards.math import MathGrader, overlong_penalty
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import RolloutBatch, TruncatedRolloutScheduler
@@ -44,6 +45,7 @@ from tppo_jax.train.checkpoint import Checkpointer, record_model
 from tppo_jax.train.evaluate import evaluate
 from tppo_jax.train.metrics import MetricsWriter
 from tppo_jax.train.run_dir import mirror, pull, resolve_run_dir
+from tppo_jax.train.shapes import CompileWatch, bucket_rows, bucket_width, enable_compile_cache
 from tppo_jax.train.step import (
     StepConfig,
     make_optimizer,
@@ -143,25 +145,45 @@ def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample], Any]:
     return rows[:-d.eval_size], rows[-d.eval_size:], lambda e: f"Q: {e.question}\nA: "
 
 
-def batch_arrays(rb: RolloutBatch, reward: np.ndarray, mesh,
-                 token_rewards: np.ndarray | None = None) -> dict[str, jax.Array]:
+def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh,
+                 token_rewards: np.ndarray | None = None,
+                 shuffle: np.ndarray | None = None) -> dict[str, jax.Array]:
     """The rollout as device arrays, split over the mesh's batch axes (global arrays of
     every host's rows when there are several processes).
 
-    Columns are cut to the longest row (over all hosts) rounded up to a multiple of 32: the
-    updates then cost what the batch needs, not the full buffer, and only a handful of
-    widths compile.
+    Columns are cut to the longest row (over all hosts) rounded up to a width bucket
+    (``shapes.bucket_width``): the updates then cost what the batch needs, not the full
+    buffer, and only a handful of widths ever compile. ``shuffle`` (``[B, epochs]`` random
+    keys) orders the rows of each epoch's minibatches.
     """
     longest = mh.max_over_hosts({"len": int(rb.total_len.max())})["len"]
-    width = min(rb.tokens.shape[1], -(-int(longest) // 32) * 32)
+    width = bucket_width(int(longest), rb.tokens.shape[1])
     attn = np.arange(width)[None] < rb.total_len[:, None]
     arrays = {"tokens": rb.tokens[:, :width], "attn": attn, "prompt_len": rb.prompt_len,
               "window_start": rb.window_start, "window_len": rb.window_len,
               "finished": rb.finished, "reward": reward.astype(np.float32),
+              "correct": correct.astype(bool),
               "sample_logprobs": rb.sample_logprobs[:, :width]}
     if token_rewards is not None:
         arrays["token_rewards"] = token_rewards[:, :width]
+    if shuffle is not None:
+        arrays["shuffle"] = shuffle.astype(np.float32)
     return {k: mh.host_to_global(v, mesh) for k, v in arrays.items()}
+
+
+def value_rows(finished: np.ndarray, mesh, unit: int) -> jax.Array | None:
+    """Global indices of the rows the critic trains on: this host's finished rows, padded with
+    unfinished ones (value mask 0) to a row bucket agreed by all hosts; None when no host has
+    a finished row (the critic update is then skipped, not run on nothing)."""
+    fin = np.flatnonzero(finished)
+    need = int(mh.max_over_hosts({"fin": len(fin)})["fin"])
+    if need == 0:
+        return None
+    b, p = len(finished), jax.process_count()
+    # Host-local bucket whose global total (x P hosts) still splits into `unit` parts.
+    r = bucket_rows(need, b, max(unit // math.gcd(unit, p), 1))
+    rows = np.concatenate([fin, np.flatnonzero(~finished)])[:r]
+    return mh.host_to_global((rows + jax.process_index() * b).astype(np.int32), mesh)
 
 
 def step_process_rewards(cfg: Config, tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray
@@ -188,12 +210,16 @@ def step_process_rewards(cfg: Config, tok: Tokenizer, rb: RolloutBatch, rows: np
 
 def _on_mesh(tree: Any, mesh) -> Any:
     """Puts leaves that live off the mesh (optimizer step counts, restored scalars) on it,
-    replicated; a jitted step refuses arguments committed to different device sets."""
-    devices = set(mesh.devices.flat)
+    replicated; a jitted step refuses arguments committed to different device sets. Leaves
+    must look exactly as the step's outputs will (a mesh sharding, committed): an uncommitted
+    step count would make the first update's executable a cache entry of its own, compiled
+    again on the second step."""
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def put(x):
-        if isinstance(x, jax.Array) and set(x.sharding.device_set) == devices:
+        if (isinstance(x, jax.Array) and x.committed
+                and isinstance(x.sharding, jax.sharding.NamedSharding)
+                and x.sharding.mesh == mesh):
             return x
         return jax.device_put(x, rep)
 
@@ -207,6 +233,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     ``run_dir`` may be a bucket URL (``gs://...``): see ``train/run_dir.py``.
     """
     validate(cfg, num_devices=jax.device_count(), num_processes=jax.process_count())
+    enable_compile_cache(cfg.train.compile_cache)
     rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
     run_dir = rd.local
     ckpt = Checkpointer(rd.checkpoints, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
@@ -304,6 +331,10 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     value_fn = on_mesh(value_update, mesh, models.value_def, models.value, opt_v,
                        tx=tx_v, cfg=scfg)
 
+    # The critic's rows must still split into minibatches x micro-batches x batch-axis ways.
+    row_unit = cfg.optim.minibatches * cfg.optim.grad_accum * data_parallel_size(mesh)
+    watch = CompileWatch({"rollout_targets": targets_fn, "policy_update": policy_fn,
+                          "value_update": value_fn})
     grader = MathGrader(num_workers=cfg.reward.workers, item_timeout_s=cfg.reward.item_timeout_s,
                         batch_deadline_s=cfg.reward.batch_deadline_s,
                         correct_reward=cfg.reward.correct, wrong_reward=cfg.reward.wrong)
@@ -342,7 +373,9 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     stopper = _StopOnSignal()
     try:
         stopper.__enter__()
+        watch.__enter__()
         for step in bar:
+            watch.reset()  # held-out evals between steps are not step time
             t0 = time.time()
             rb = sched.step()
             idle = int((~sched.state.live).sum())  # paged pool short: slots left empty
@@ -363,7 +396,9 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
             if cfg.reward.process != "none" and len(fin):
                 token_rewards, steps_valid = step_process_rewards(cfg, tok, rb, fin)
             t_grade = time.time() - t0 - t_roll
-            arrays = batch_arrays(rb, reward, mesh, token_rewards)
+            n_roll, c_roll = watch.take()  # rollout-side compiles (decode shapes)
+            arrays = batch_arrays(rb, reward, correct, mesh, token_rewards,
+                                  shuffle=_shuffle_keys(cfg, step, sched.B))
             targets = targets_fn(models.value, arrays)
             train_batch = {**arrays, **targets}
             if fault_step is not None and step + 1 >= fault_step:
@@ -373,7 +408,11 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
             pstats: dict[str, Any] = {}
             if step >= a.critic_warmup_steps:
                 models.policy, opt_p, pstats = policy_fn(models.policy, opt_p, train_batch)
-            models.value, opt_v, vstats = value_fn(models.value, opt_v, train_batch)
+            vrows = value_rows(rb.finished, mesh, row_unit)
+            vstats: dict[str, Any] = {"value_loss": 0.0, "value_skipped": 0.0}
+            if vrows is not None:  # the critic trains on finished rows only
+                models.value, opt_v, vstats = value_fn(models.value, opt_v,
+                                                       {**train_batch, "value_rows": vrows})
             pstats, vstats = mh.tree_to_host((pstats, vstats))  # replicated scalars
             skipped = float(pstats.get("policy_skipped", 0.0)) + float(vstats["value_skipped"])
             skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
@@ -382,7 +421,15 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                     f"step {step + 1}: non-finite loss or gradient in {skipped_in_a_row} "
                     f"consecutive steps (updates skipped, params unchanged); last checkpoint: "
                     f"step {ckpt.latest_step()} in {ckpt.directory}")
+            n_comp, c_upd = watch.take()
             t_update = time.time() - t0 - t_roll - t_grade
+            # After warm-up a function that has compiled should only meet known shapes.
+            late = [k for k, (n0, _) in watch.new_shapes().items() if n0 and step > start + 2]
+            if late:
+                log.warning("step %d: %s compiled a new shape (width %d, critic rows %s); "
+                            "shapes so far: %s", step + 1, ", ".join(late),
+                            arrays["tokens"].shape[1],
+                            None if vrows is None else vrows.shape[0], watch.sizes())
             sched.set_policy(policy_model(), step + 1)
             sched.release_finished(rb.finished)
             # Host-local counts summed over hosts, then turned into means.
@@ -398,6 +445,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 "reward_mean": tot["reward"] / nfin,
                 "accuracy": tot["correct"] / nfin,
                 "finished_frac": tot["fin"] / tot["rows"],
+                "finished": int(tot["fin"]),
                 "response_len_mean": tot["resp_len"] / nfin,
                 "response_len_max": int(top["resp_len"]),
                 "occupancy": tot["tokens"] / max(1.0, r.slots * top["window"]),
@@ -410,7 +458,14 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                    if steps_valid is not None else {}),
                 "tokens": int(tot["tokens"]),
                 "idle_slots": int(tot["idle"]),
-                "time_rollout_s": t_roll, "time_grading_s": t_grade, "time_update_s": t_update,
+                # Compile seconds are split out of the phase they happened in.
+                "time_rollout_s": t_roll - c_roll, "time_grading_s": t_grade,
+                "time_update_s": t_update - c_upd, "time_compile_s": c_roll + c_upd,
+                "compiles": n_roll + n_comp, "compiles_total": watch.total_count,
+                # What the updates ran on (the cost model's update tokens: rows x width).
+                "update_width": int(arrays["tokens"].shape[1]),
+                "value_rows": 0 if vrows is None else int(vrows.shape[0]),
+                **{f"compiled_shapes_{k}": v for k, v in watch.sizes().items()},
                 "tokens_per_s": tot["tokens"] / max(time.time() - t0, 1e-9),
                 "train_time_s": train_time + (time.time() - t0),
             })
@@ -444,6 +499,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 break
         after = ev() if not preempted else None
     finally:
+        watch.__exit__()
         stopper.__exit__()
         ckpt.close()
         metrics.close()
@@ -455,6 +511,13 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         mirror(rd)
     return summary
+
+
+def _shuffle_keys(cfg: Config, step: int, rows: int) -> np.ndarray:
+    """``[rows, epochs]`` random keys ordering this host's rows in each epoch's minibatches;
+    a pure function of (seed, step, host), so a resumed run replays the same minibatches."""
+    rng = np.random.default_rng([cfg.train.seed, step, jax.process_index(), 0x5EED])
+    return rng.random((rows, cfg.optim.epochs), dtype=np.float32)
 
 
 def _host_meta(meta: dict[str, Any]) -> dict[str, Any]:

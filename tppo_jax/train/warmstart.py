@@ -45,7 +45,7 @@ def synthetic_task(cfg: Config) -> SyntheticMathTask:
     """The embedded task as configured in ``cfg.data``."""
     d = cfg.data
     return SyntheticMathTask(seed=d.seed, difficulty=d.difficulty, max_operand=d.max_operand,
-                             max_value=d.max_value)
+                             max_value=d.max_value, max_steps=d.max_steps, style=d.style)
 
 
 def warmstart_key(cfg: Config) -> str:

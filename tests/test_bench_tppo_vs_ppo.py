@@ -1,0 +1,39 @@
+"""The T-PPO vs PPO benchmark's summary: hand-computed throughput, split and speedup."""
+
+import json
+
+import pytest
+from tppo_jax.benchmarks.tppo_vs_ppo import _medians, _out_name, summarize_run
+
+
+def _write(run, steps):
+    rows = []
+    for i, (fin, rlen, t_roll) in enumerate(steps, 1):
+        rows.append({"step": i, "reward_mean": 0.0, "finished": fin, "finished_frac": fin / 8,
+                     "response_len_mean": rlen, "response_len_max": 2 * rlen, "tokens": 64,
+                     "occupancy": 0.5, "time_rollout_s": t_roll, "time_grading_s": 0.1,
+                     "time_update_s": 0.5, "time_compile_s": 2.0 if i == 1 else 0.0,
+                     "compiles": 3 if i == 1 else 0, "train_time_s": 3.0 * i})
+    rows.append({"step": 2, "eval_accuracy": 40.0})
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (run / "eval_before.json").write_text(json.dumps({"accuracy": 20.0}))
+
+
+def test_summary_hand_values(tmp_path):
+    _write(tmp_path / "a", [(4, 10.0, 1.0), (2, 30.0, 1.0)])
+    s = summarize_run(tmp_path / "a", target=35.0)
+    assert s["finished_samples"] == 6 and s["finished_per_s"] == pytest.approx(3.0)
+    assert s["useful_tokens_per_s"] == pytest.approx((4 * 10 + 2 * 30) / 2.0)
+    assert s["time_split_s"] == {"rollout": 2.0, "grading": pytest.approx(0.2),
+                                 "update": 1.0, "compile": 2.0}
+    assert s["time_to_target_s"] == 6.0 and s["steps_to_target"] == 2 and s["compiles"] == 3
+    assert s["curve"] == [(0.0, 20.0), (6.0, 40.0)]
+    assert summarize_run(tmp_path / "a", target=50.0)["time_to_target_s"] is None
+    seeds = {"0": {"tppo": s, "ppo": s, "speedup": 2.0, "throughput_ratio": 3.0},
+             "1": {"tppo": s, "ppo": s, "speedup": None, "throughput_ratio": 1.0}}
+    med = _medians(seeds)
+    assert med["speedup"] == 2.0 and med["throughput_ratio"] == 2.0
+    assert med["finished_per_s"] == {"tppo": 3.0, "ppo": 3.0}
+    assert _out_name("default") == "tppo_vs_ppo"
+    assert _out_name("longtail") == _out_name("configs/longtail.yaml") == "tppo_vs_ppo_longtail"
