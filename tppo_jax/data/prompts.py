@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from tppo_jax.models.tokenizer import Tokenizer
 
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-SHORT_TEMPLATE = "Q: {question}\nA: "  # the tiny model's warm-start format
+SHORT_ANSWER_CUE = "\nA: "  # where the tiny model's answer starts (warm-start loss mask)
+SHORT_TEMPLATE = "Q: {question}" + SHORT_ANSWER_CUE  # the tiny model's warm-start format
 # Formats whose rows hold their own full prompt text (and answer instruction).
 OWN_PROMPT_FORMATS = ("dapo",)
 PLAIN_CUE = "\nSolution:"  # after the message when there is no chat template
