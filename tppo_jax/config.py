@@ -41,6 +41,7 @@ class ModelConfig:
     num_kv_heads: int = 2
     max_seq_len: int = 256
     dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: bool = False  # hf/gguf: recompute layers in the backward pass (less memory)
     value_init: Literal["policy", "path", "random"] = "policy"
     value_path: str | None = None
 

@@ -227,16 +227,18 @@ def _state_paths(state: Any) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
 
 
 def from_pretrained(path: str | pathlib.Path, *, dtype: str = "float32",
-                    mesh: Mesh | None = None) -> Transformer:
+                    mesh: Mesh | None = None, remat: bool = False) -> Transformer:
     """Loads an HF Qwen2/Llama checkpoint directory into a ``Transformer``.
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
       dtype: param dtype of the returned model (tensors are cast on read).
       mesh: if given, every param is created directly in ``named_sharding(mesh, axes)``.
+      remat: recompute each layer in the backward pass (activation memory of one layer).
     """
     path = pathlib.Path(path)
     cfg = config_from_hf(json.loads((path / "config.json").read_text()), dtype)
+    cfg = dataclasses.replace(cfg, remat=remat)
     files = _weight_files(path)
     maps = _tensor_maps(cfg)
     missing = sorted(tm.hf_name for tm in maps.values() if tm.hf_name not in files)

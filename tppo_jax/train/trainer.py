@@ -113,12 +113,14 @@ def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models
         if tok_file is None:
             raise ConfigError(f"model.path {path}: no tokenizer.json or tokenizer.model found")
         tok = Tokenizer.load(tok_file)
-        policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh)  # straight to shards
+        policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh,  # straight to shards
+                                 remat=cfg.model.remat)
     if cfg.model.value_init == "path":
         from tppo_jax.models.hf import from_pretrained
 
         critic = ValueModel.from_policy(from_pretrained(cfg.model.value_path or "",
-                                                        dtype=cfg.model.dtype, mesh=mesh))
+                                                        dtype=cfg.model.dtype, mesh=mesh,
+                                                        remat=cfg.model.remat))
     elif cfg.model.value_init == "random":
         critic = ValueModel(policy.config, rngs=nnx.Rngs(cfg.train.seed + 1))
     else:
@@ -273,8 +275,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     models = load_models(cfg, run_dir, progress, mesh)
     tok = models.tokenizer
     train_rows, eval_rows = load_data(cfg)
-    prompts = prompt_builder(cfg, tok)
-    encode = lambda e: prompts.ids(e, tok)  # noqa: E731
+    prompter = prompt_builder(cfg, tok)
+    encode = lambda e: prompter.ids(e, tok)  # noqa: E731
     # A truncated prompt loses its question, so over-long prompts are skipped, not cut.
     fits = [e for e in train_rows if len(encode(e)) <= r.max_prompt_len]
     if len(fits) < len(train_rows):
