@@ -440,6 +440,9 @@ def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1
                           f"rollout.max_response_len ({r.max_response_len})")
     if cfg.model.source in ("hf", "gguf") and not cfg.model.path:
         raise ConfigError(f"model.path is required when model.source is {cfg.model.source!r}")
+    vt = cfg.reward.verify_timeout_s
+    if vt is not None and vt < 1:
+        raise ConfigError(f"reward.verify_timeout_s must be >= 1 (whole seconds) or null, got {vt}")
     pt = cfg.data.prompt_template
     if pt is not None and "{question}" not in pt:
         raise ConfigError(f"data.prompt_template must contain {{question}}, got {pt!r}")
