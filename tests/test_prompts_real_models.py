@@ -220,3 +220,22 @@ def test_rope_scaling_linear_and_v4_keys():
     d.update(rope_theta=1e6, rope_scaling={"type": "linear", "factor": 2.0})
     cfg = config_from_hf(d)
     assert cfg.rope_theta == 1e6 and cfg.rope_scaling_dict == {"type": "linear", "factor": 2.0}
+
+
+def test_samples_jsonl_and_tensorboard_text(tmp_path):
+    from tppo_jax.train.metrics import MetricsWriter
+
+    sample = {"prompt": "<|im_start|>user\n1+1?", "completion": "\\boxed{2}", "answer": "2",
+              "reward": 1.0, "reason": "ok"}
+    m = MetricsWriter(tmp_path, tensorboard=True)
+    for step in (1, 2, 3):
+        m.write(step, {"reward_mean": 1.0})
+        m.write_samples(step, [sample, {**sample, "reason": "wrong", "reward": 0.0}])
+    m.close()
+    rows = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3] and rows[1]["reason"] == "wrong"
+    assert any((tmp_path / "tensorboard").iterdir())
+    # A resumed run drops the samples logged after its checkpoint, as it does metrics.
+    MetricsWriter(tmp_path, tensorboard=False, resume_step=2).close()
+    rows = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 1, 2, 2]
