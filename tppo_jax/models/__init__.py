@@ -2,7 +2,7 @@
 
 from tppo_jax.models.cache import DenseKVCache, KVCache, gqa_attention
 from tppo_jax.models.hf import config_from_hf, config_to_hf, from_pretrained, save_pretrained
-from tppo_jax.models.tokenizer import Tokenizer, format_prompt, train_sentencepiece
+from tppo_jax.models.tokenizer import Tokenizer, train_sentencepiece
 from tppo_jax.models.transformer import (
     Backbone,
     ModelConfig,
@@ -24,7 +24,6 @@ __all__ = [
     "config_from_hf",
     "config_to_hf",
     "create_model",
-    "format_prompt",
     "from_pretrained",
     "gqa_attention",
     "param_shardings",

@@ -34,10 +34,43 @@ SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 # --------------------------------------------------------------------------- config
 
 
+# transformers 5 may write only `model_type` (no `architectures`), e.g. SmolLM2's config.
+MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    archs = d.get("architectures") or []
+    if archs:
+        return str(archs[0])
+    mt = d.get("model_type")
+    if mt in MODEL_TYPES:
+        return MODEL_TYPES[mt]
+    raise ValueError(f"unsupported architecture (model_type {mt!r}); supported: "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)} (model_type {', '.join(MODEL_TYPES)})")
+
+
+def _rope(d: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling or None) from 4.x top-level keys or 5.x ``rope_parameters``."""
+    rope = dict(d.get("rope_parameters") or {})
+    theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    scaling = d.get("rope_scaling") or (rope or None)
+    if scaling is None:
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"{arch}: rope scaling type {kind!r} is not supported "
+                         f"(supported: {', '.join(ROPE_TYPES)})")
+    if kind == "default":
+        return theta, None
+    if "factor" not in scaling:
+        raise ValueError(f"{arch}: rope scaling {kind!r} has no 'factor'")
+    return theta, {k: v for k, v in scaling.items() if k != "rope_theta"}
+
+
 def config_from_hf(d: dict[str, Any], dtype: str = "float32") -> ModelConfig:
     """Builds a ``ModelConfig`` from an HF ``config.json`` dict (transformers 4.x or 5.x)."""
-    archs = d.get("architectures") or [d.get("model_type", "<missing>")]
-    arch = archs[0]
+    arch = _architecture(d)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -52,12 +85,7 @@ def config_from_hf(d: dict[str, Any], dtype: str = "float32") -> ModelConfig:
         if d.get("use_sliding_window"):
             raise ValueError(f"{arch}: sliding-window attention is not supported")
         qkv_bias = True
-    # transformers 5 nests theta + scaling in `rope_parameters`; 4.x has top-level keys.
-    rope = dict(d.get("rope_parameters") or {})
-    theta = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
-    scaling = d.get("rope_scaling") or (rope or None)
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
-        scaling = None
+    theta, scaling = _rope(d, arch)
     heads = int(d["num_attention_heads"])
     return ModelConfig(
         vocab_size=int(d["vocab_size"]),
@@ -199,16 +227,18 @@ def _state_paths(state: Any) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
 
 
 def from_pretrained(path: str | pathlib.Path, *, dtype: str = "float32",
-                    mesh: Mesh | None = None) -> Transformer:
+                    mesh: Mesh | None = None, remat: bool = False) -> Transformer:
     """Loads an HF Qwen2/Llama checkpoint directory into a ``Transformer``.
 
     Args:
       path: directory with ``config.json`` and ``model.safetensors`` (or a sharded index).
       dtype: param dtype of the returned model (tensors are cast on read).
       mesh: if given, every param is created directly in ``named_sharding(mesh, axes)``.
+      remat: recompute each layer in the backward pass (activation memory of one layer).
     """
     path = pathlib.Path(path)
     cfg = config_from_hf(json.loads((path / "config.json").read_text()), dtype)
+    cfg = dataclasses.replace(cfg, remat=remat)
     files = _weight_files(path)
     maps = _tensor_maps(cfg)
     missing = sorted(tm.hf_name for tm in maps.values() if tm.hf_name not in files)

@@ -1,8 +1,10 @@
 """One ``Tokenizer`` over sentencepiece ``.model`` files and HF ``tokenizer.json`` files.
 
-Also holds the math prompt templates and ``train_sentencepiece`` for the tiny CPU default
-(a 128-piece BPE vocab trained on synthetic math text, digits split into single pieces so
-numbers tokenize compositionally).
+An HF tokenizer folder also gives the chat template (rendered by ``data/prompts.py``), whether
+encoding starts with BOS, and every id that ends a generation (``generation_config.json`` and
+the template's end-of-turn token). Also ``train_sentencepiece`` for the tiny CPU default (a
+128-piece BPE vocab trained on synthetic math text, digits split into single pieces so numbers
+tokenize compositionally).
 """
 
 from __future__ import annotations
@@ -11,18 +13,32 @@ import json
 import pathlib
 from collections.abc import Iterable, Sequence
 
-PROMPT_TEMPLATE = (
-    "Solve the following math problem. Reason step by step, and put your final answer "
-    "within \\boxed{{}}.\n\nProblem: {question}\n\nSolution:"
-)
-# Tiny models (128-piece vocab, short contexts) get a template that costs few tokens.
-SHORT_PROMPT_TEMPLATE = "Q: {question}\nA:"
+# End-of-turn tokens of common chat templates: one ends a generation when the template uses it.
+CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>", "<end_of_turn>",
+                   "<|end_of_text|>")
 
 
-def format_prompt(question: str, *, short: bool = False) -> str:
-    """The math prompt: step-by-step reasoning, final answer in ``\\boxed{}``."""
-    template = SHORT_PROMPT_TEMPLATE if short else PROMPT_TEMPLATE
-    return template.format(question=question.strip())
+def _read_json(path: pathlib.Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable JSON ({e})") from None
+    return out if isinstance(out, dict) else {}
+
+
+def read_chat_template(folder: pathlib.Path) -> str | None:
+    """The folder's chat template: ``chat_template.jinja``, else ``chat_template`` in
+    ``tokenizer_config.json`` (a string, or a list of named templates: ``default`` wins)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    t = _read_json(folder / "tokenizer_config.json").get("chat_template")
+    if isinstance(t, list):
+        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+        t = named.get("default") or next(iter(named.values()), None)
+    return t if isinstance(t, str) and t.strip() else None
 
 
 class Tokenizer:
@@ -33,6 +49,10 @@ class Tokenizer:
         ``pad_id`` falls back to ``eos_id`` so right padding always has a value).
       eos_ids: every id that ends a generation (``eos_id`` first; instruct models add their
         end-of-turn tokens). Decoding stops on any of them.
+      add_bos: whether a prompt starts with ``bos_id`` (``add_bos_token`` of the tokenizer
+        config); ``data/prompts.py`` adds it only when the rendered text does not already.
+      chat_template: the jinja chat template (None: plain prompts), plus the ``bos_token`` /
+        ``eos_token`` texts it is rendered with.
     """
 
     def __init__(self, backend: str, impl: object, bos_id: int | None, eos_id: int | None,
@@ -43,6 +63,9 @@ class Tokenizer:
         self.eos_id = eos_id
         self.pad_id = pad_id if pad_id is not None else eos_id
         self.eos_ids: tuple[int, ...] = () if eos_id is None else (int(eos_id),)
+        self.add_bos = False
+        self.chat_template: str | None = None
+        self.bos_token = self.eos_token = ""
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -75,24 +98,40 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         tok = HFTokenizer.from_file(str(path))
-        # Special tokens may be declared in a sibling tokenizer_config.json (HF layout);
-        # otherwise guess from common names.
-        names: dict[str, str | None] = {"bos": None, "eos": None, "pad": None}
-        cfg_file = path.parent / "tokenizer_config.json"
-        if cfg_file.exists():
-            cfg = json.loads(cfg_file.read_text())
-            for k in names:
-                v = cfg.get(f"{k}_token")
-                names[k] = v.get("content") if isinstance(v, dict) else v
+        # Special tokens may be declared in a sibling tokenizer_config.json (HF layout; an
+        # explicit null means "none", as Qwen's bos_token); otherwise guess from common names.
+        cfg = _read_json(path.parent / "tokenizer_config.json")
         guesses = {"bos": ["<s>", "<bos>", "<|begin_of_text|>", "<|endoftext|>"],
                    "eos": ["</s>", "<eos>", "<|endoftext|>", "<|im_end|>", "<|end_of_text|>"],
                    "pad": ["<pad>", "<|pad|>"]}
         ids: dict[str, int | None] = {}
-        for k, name in names.items():
-            candidates = [name] if name else guesses[k]
+        for k, guess in guesses.items():
+            v = cfg.get(f"{k}_token")
+            name = v.get("content") if isinstance(v, dict) else v
+            candidates = [name] if name else ([] if f"{k}_token" in cfg else guess)
             ids[k] = next((tok.token_to_id(c) for c in candidates
                            if tok.token_to_id(c) is not None), None)
-        return cls("hf", tok, ids["bos"], ids["eos"], ids["pad"])
+        out = cls("hf", tok, ids["bos"], ids["eos"], ids["pad"])
+        out.add_bos = bool(cfg.get("add_bos_token", False)) and out.bos_id is not None
+        out.chat_template = read_chat_template(path.parent)
+        out.bos_token = "" if out.bos_id is None else tok.id_to_token(out.bos_id)
+        out.eos_token = "" if out.eos_id is None else tok.id_to_token(out.eos_id)
+        out.eos_ids = out._collect_eos_ids(_read_json(path.parent / "generation_config.json"))
+        return out
+
+    def _collect_eos_ids(self, gen_cfg: dict) -> tuple[int, ...]:
+        """``eos_id``, then ``generation_config.json``'s ``eos_token_id`` (int or list), then
+        the chat template's end-of-turn token: every id that ends a generation, once each."""
+        ids = [] if self.eos_id is None else [self.eos_id]
+        gen = gen_cfg.get("eos_token_id")
+        ids += [gen] if isinstance(gen, int) else [i for i in gen or [] if isinstance(i, int)]
+        if self.chat_template:
+            for name in CHAT_END_TOKENS:
+                i = self._impl.token_to_id(name)
+                if i is not None and name in self.chat_template:
+                    ids.append(i)
+        vocab = self.vocab_size
+        return tuple(dict.fromkeys(int(i) for i in ids if 0 <= int(i) < vocab))
 
     # ------------------------------------------------------------------ interface
     @property
@@ -120,14 +159,11 @@ class Tokenizer:
         """Ids -> text; bos/eos/pad are dropped when ``skip_special``."""
         ids = [int(i) for i in ids]
         if skip_special:
-            special = {self.bos_id, self.eos_id, self.pad_id} - {None}
+            special = {self.bos_id, self.eos_id, self.pad_id, *self.eos_ids} - {None}
             ids = [i for i in ids if i not in special]
         if self.backend == "sentencepiece":
             return self._impl.decode(ids)
         return self._impl.decode(ids, skip_special_tokens=skip_special)
-
-    def format_prompt(self, question: str, *, short: bool = False) -> str:
-        return format_prompt(question, short=short)
 
 
 def train_sentencepiece(

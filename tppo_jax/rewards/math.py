@@ -38,15 +38,51 @@ REASONS = ("ok", "wrong", "no_answer", "timeout", "crash")
 
 # ------------------------------------------------------------------------ grading (any process)
 _ANSWER_LINE = re.compile(r"^[ \t]*Answer[ \t]*:[ \t]*(.+?)[ \t.]*$", re.I | re.M)
+# A number as people write them: sign, thousands commas, decimals ("-1,234.5").
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+# Which answer text is graded:
+#   boxed                 the last \boxed{...}
+#   answer_line           the last `Answer: X` line (the DAPO-Math-17K prompt's format)
+#   boxed_or_answer_line  boxed first, else the answer line
+#   last_number           boxed, else the answer line, else the last number in the text
+#                         (lenient, for GSM8K-style numeric answers)
+ANSWER_FORMATS = ("boxed", "answer_line", "boxed_or_answer_line", "last_number")
+# The default per data format: DAPO rows ask for the answer line; GSM8K-style numeric sets
+# also accept it (instruct models often write "Answer: 42" despite the boxed instruction);
+# MATH and the rest are boxed. A weak model that never formats can use last_number.
+DEFAULT_ANSWER_FORMATS = {"dapo": "answer_line", "gsm8k": "boxed_or_answer_line",
+                          "svamp": "boxed_or_answer_line", "asdiv": "boxed_or_answer_line"}
 
 
-def extract_answer(completion: str, *, accept_answer_line: bool = False) -> str | None:
-    """The graded answer text: the last ``\\boxed{...}``; with ``accept_answer_line`` a final
-    ``Answer: X`` line (the DAPO-Math-17K prompt's format) is the fallback."""
-    content = last_boxed(completion)
-    if content is None and accept_answer_line:
-        lines = _ANSWER_LINE.findall(completion)
-        content = lines[-1].strip("$ ") if lines else None
+def answer_format_for(data_format: str, answer_format: str = "auto") -> str:
+    """``answer_format``, or the data format's default when it is ``auto``."""
+    if answer_format == "auto":
+        return DEFAULT_ANSWER_FORMATS.get(data_format, "boxed")
+    if answer_format not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format {answer_format!r} is not one of {ANSWER_FORMATS}")
+    return answer_format
+
+
+def _answer_line(completion: str) -> str | None:
+    lines = _ANSWER_LINE.findall(completion)
+    return lines[-1].strip("$ ") if lines else None
+
+
+def extract_answer(completion: str, *, accept_answer_line: bool = False,
+                   answer_format: str | None = None) -> str | None:
+    """The graded answer text per ``answer_format`` (see ``ANSWER_FORMATS``); without one,
+    the last ``\\boxed{...}``, and with ``accept_answer_line`` a final ``Answer: X`` line as
+    the fallback. None when the completion has no answer in that format."""
+    fmt = answer_format or ("boxed_or_answer_line" if accept_answer_line else "boxed")
+    if fmt not in ANSWER_FORMATS:
+        raise ValueError(f"answer_format {fmt!r} is not one of {ANSWER_FORMATS}")
+    content = None if fmt == "answer_line" else last_boxed(completion)
+    if content is None and fmt != "boxed":
+        content = _answer_line(completion)
+    if content is None and fmt == "last_number":
+        numbers = _NUMBER.findall(completion)
+        content = numbers[-1].replace(",", "") if numbers else None
     return content if content and content.strip() else None
 
 
@@ -56,13 +92,15 @@ def grade_one(
     *,
     require_boxed: bool = True,
     accept_answer_line: bool = False,
+    answer_format: str | None = None,
     mv_timeout_s: int | None = 1,
 ) -> str:
     """Grade one completion against a ground-truth answer; returns a reason from REASONS.
 
     ``require_boxed``: only the last ``\\boxed{...}`` counts (the trained answer format), so an
     unformatted answer is ``no_answer`` even if its number is right (``accept_answer_line``: see
-    :func:`extract_answer`); False lets math-verify search the whole text. ``mv_timeout_s`` feeds
+    :func:`extract_answer`, ``answer_format`` overrides both); False lets math-verify search
+    the whole text. ``mv_timeout_s`` feeds
     math-verify's own SIGALRM timeouts -- a cheap first line of defence; None disables them
     (required off the main thread).
     """
@@ -70,7 +108,8 @@ def grade_one(
     from math_verify.errors import TimeoutException
 
     if require_boxed:
-        content = extract_answer(completion, accept_answer_line=accept_answer_line)
+        content = extract_answer(completion, accept_answer_line=accept_answer_line,
+                                 answer_format=answer_format)
         if content is None:
             return "no_answer"
         pred_text = f"\\boxed{{{content}}}"
@@ -181,7 +220,8 @@ class MathGrader:
       no_answer_reward: reward for a missing/unparsable answer (default: ``wrong_reward``).
       error_reward: reward for ``timeout``/``crash`` items (default: ``wrong_reward``; a
         grader failure must never beat a wrong answer, e.g. 0 against -1 rewards).
-      require_boxed, accept_answer_line: which answer text is graded (see :func:`grade_one`).
+      require_boxed, accept_answer_line, answer_format: which answer text is graded (see
+        :func:`grade_one` and ``ANSWER_FORMATS``).
       mv_timeout_s: math-verify's inner timeout in whole seconds (None: off).
       mp_context: ``"forkserver"`` (default where available) or ``"spawn"``; never ``fork``,
         the parent runs JAX threads.
@@ -201,6 +241,7 @@ class MathGrader:
         error_reward: float | None = None,
         require_boxed: bool = True,
         accept_answer_line: bool = False,
+        answer_format: str | None = None,
         mv_timeout_s: int | None = 1,
         mp_context: str | None = None,
         startup_timeout_s: float = 60.0,
@@ -224,6 +265,7 @@ class MathGrader:
         self.grade_kw: dict[str, Any] = {
             "require_boxed": require_boxed,
             "accept_answer_line": accept_answer_line,
+            "answer_format": answer_format,
             "mv_timeout_s": mv_timeout_s,
         }
         self._ctx = _context(mp_context)

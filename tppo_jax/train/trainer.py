@@ -32,13 +32,14 @@ from tqdm import tqdm
 
 from tppo_jax.config import Config, ConfigError, validate
 from tppo_jax.data.pipeline import PromptPipeline
+from tppo_jax.data.prompts import prompt_builder
 from tppo_jax.data.readers import MathExample, read_examples
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.mesh import data_parallel_size, layout_rules, make_mesh, reshard
-from tppo_jax.rewards.math import MathGrader, overlong_penalty
+from tppo_jax.rewards.math import MathGrader, answer_format_for, overlong_penalty
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import RolloutBatch, TruncatedRolloutScheduler
 from tppo_jax.train.checkpoint import Checkpointer, record_model
@@ -96,27 +97,30 @@ class Models:
 
 def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models:
     """Tiny default: warm-started (the run dir's own copy, else the cache in its parent).
-    HF: loaded from disk."""
+    HF: loaded from disk. GGUF: converted once to an HF folder (cached in the run dir's
+    parent), then as HF."""
     if cfg.model.source == "tiny":
         tok, policy, folder = run_warmstart(cfg, run_dir, progress=progress, mesh=mesh)
         tok_file = folder / "tokenizer.model"
     else:
         from tppo_jax.models.hf import from_pretrained
 
-        path = Path(cfg.model.path or "")
+        path = model_folder(cfg, run_dir.parent)
         tok_file = next((p for p in (path / "tokenizer.json", path / "tokenizer.model")
                          if p.exists()), None)
         if tok_file is None:
             raise ConfigError(f"model.path {path}: no tokenizer.json or tokenizer.model found")
         tok = Tokenizer.load(tok_file)
-        policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh)  # straight to shards
+        policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh,  # straight to shards
+                                 remat=cfg.model.remat)
         if mh.is_primary():  # the run's checkpoints then restore without model.path
             record_model(run_dir, path / "config.json", tok_file)
     if cfg.model.value_init == "path":
         from tppo_jax.models.hf import from_pretrained
 
         critic = ValueModel.from_policy(from_pretrained(cfg.model.value_path or "",
-                                                        dtype=cfg.model.dtype, mesh=mesh))
+                                                        dtype=cfg.model.dtype, mesh=mesh,
+                                                        remat=cfg.model.remat))
     elif cfg.model.value_init == "random":
         critic = ValueModel(policy.config, rngs=nnx.Rngs(cfg.train.seed + 1))
     else:
@@ -129,12 +133,29 @@ def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models
     return Models(tok, pdef, nnx.to_pure_dict(pstate), vdef, nnx.to_pure_dict(vstate), tok_file)
 
 
-def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample], Any]:
-    """(train, held-out, prompt formatter)."""
+def model_folder(cfg: Config, cache_root: Path) -> Path:
+    """The HF folder of ``model.path``: as given, or (``model.source: gguf``) its conversion
+    in ``cache_root`` (process 0 converts; the others wait and read it)."""
+    if cfg.model.source != "gguf":
+        return Path(cfg.model.path or "")
+    from tppo_jax.models.gguf import GGUFError, cached_hf_folder, resolve_model_path
+
+    try:
+        gguf_file = resolve_model_path(cfg.model.path or "")
+        if mh.is_primary():
+            cached_hf_folder(gguf_file, cache_root)
+        mh.barrier("gguf")
+        return cached_hf_folder(gguf_file, cache_root)
+    except GGUFError as e:
+        raise ConfigError(str(e)) from None
+
+
+def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample]]:
+    """(train, held-out) rows; prompts are built from them by ``data/prompts.py``."""
     d = cfg.data
     if d.source == "synthetic":
         task = synthetic_task(cfg)
-        return task.sample(20000, "train"), task.sample(d.eval_size, "test"), task.prompt
+        return task.sample(20000, "train"), task.sample(d.eval_size, "test")
     rows, report = read_examples(d.source, format=d.format, fields=d.fields or None,
                                  on_bad_row=d.on_bad_row)
     if report.num_bad:
@@ -142,7 +163,31 @@ def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample], Any]:
     if len(rows) <= d.eval_size:
         raise ConfigError(f"data.source {d.source} has {len(rows)} rows; need more than "
                           f"data.eval_size={d.eval_size}")
-    return rows[:-d.eval_size], rows[-d.eval_size:], lambda e: f"Q: {e.question}\nA: "
+    return rows[:-d.eval_size], rows[-d.eval_size:]
+
+
+def make_grader(cfg: Config) -> MathGrader:
+    """The outcome grader as ``cfg.reward`` configures it (answer format per data format)."""
+    rc = cfg.reward
+    kw = {} if rc.error is None else {"error_reward": rc.error}
+    return MathGrader(num_workers=rc.workers, item_timeout_s=rc.item_timeout_s,
+                      batch_deadline_s=rc.batch_deadline_s,
+                      max_tasks_per_child=rc.max_tasks_per_child,
+                      correct_reward=rc.correct, wrong_reward=rc.wrong,
+                      no_answer_reward=rc.no_answer, crash_retries=rc.crash_retries,
+                      answer_format=answer_format_for(cfg.data.format, rc.answer_format),
+                      mv_timeout_s=rc.verify_timeout_s, **kw)
+
+
+def sample_rows(tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray, texts: list[str],
+                reward: np.ndarray, reasons: list[str], n: int) -> list[dict[str, Any]]:
+    """The first ``n`` finished rows as readable records (prompt, completion, grade)."""
+    out = []
+    for j, i in enumerate(rows[:n]):
+        prompt = tok.decode(rb.tokens[i, :int(rb.prompt_len[i])], skip_special=False)
+        out.append({"prompt": prompt, "completion": texts[j], "answer": rb.examples[i].answer,
+                    "reward": float(reward[i]), "reason": reasons[j]})
+    return out
 
 
 def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh,
@@ -254,8 +299,9 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
     models = load_models(cfg, run_dir, progress, mesh)
     tok = models.tokenizer
-    train_rows, eval_rows, fmt = load_data(cfg)
-    encode = lambda e: tok.encode(fmt(e))  # noqa: E731
+    train_rows, eval_rows = load_data(cfg)
+    prompter = prompt_builder(cfg, tok)
+    encode = lambda e: prompter.ids(e, tok)  # noqa: E731
     # A truncated prompt loses its question, so over-long prompts are skipped, not cut.
     fits = [e for e in train_rows if len(encode(e)) <= r.max_prompt_len]
     if len(fits) < len(train_rows):
@@ -335,9 +381,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
     row_unit = cfg.optim.minibatches * cfg.optim.grad_accum * data_parallel_size(mesh)
     watch = CompileWatch({"rollout_targets": targets_fn, "policy_update": policy_fn,
                           "value_update": value_fn})
-    grader = MathGrader(num_workers=cfg.reward.workers, item_timeout_s=cfg.reward.item_timeout_s,
-                        batch_deadline_s=cfg.reward.batch_deadline_s,
-                        correct_reward=cfg.reward.correct, wrong_reward=cfg.reward.wrong)
+    grader = make_grader(cfg)
     metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard,
                             resume_step=start if resume else None)
     def ev() -> dict[str, float]:
@@ -384,14 +428,17 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
             reward = np.zeros(sched.B, np.float32)  # this host's rows
             correct = np.zeros(sched.B, bool)
             counts: dict[str, int] = {}
+            samples: list[dict[str, Any]] = []
             if len(fin):
-                g = grader.grade([tok.decode(rb.response_tokens(i)) for i in fin],
-                                 [rb.examples[i].answer for i in fin])
+                texts = [tok.decode(rb.response_tokens(i)) for i in fin]
+                g = grader.grade(texts, [rb.examples[i].answer for i in fin])
                 reward[fin], correct[fin], counts = g.rewards, g.correct, g.counts
                 if cfg.reward.overlong_buffer > 0:  # DAPO soft overlong punishment
                     reward[fin] += overlong_penalty(
                         (rb.total_len - rb.prompt_len)[fin], r.max_response_len,
                         cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+                samples = sample_rows(tok, rb, fin, texts, reward, g.reasons,
+                                      cfg.logging.samples_per_step)
             token_rewards, steps_valid = None, None
             if cfg.reward.process != "none" and len(fin):
                 token_rewards, steps_valid = step_process_rewards(cfg, tok, rb, fin)
@@ -469,6 +516,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False,
                 "tokens_per_s": tot["tokens"] / max(time.time() - t0, 1e-9),
                 "train_time_s": train_time + (time.time() - t0),
             })
+            metrics.write_samples(step + 1, samples)
             train_time += time.time() - t0
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", fin=int(tot["fin"]))
             last_step = step + 1

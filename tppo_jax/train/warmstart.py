@@ -27,6 +27,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from tppo_jax.config import Config
+from tppo_jax.data.prompts import SHORT_ANSWER_CUE
 from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.models.hf import from_pretrained, save_pretrained
 from tppo_jax.models.tokenizer import Tokenizer, train_sentencepiece
@@ -71,8 +72,8 @@ def encode_corpus(tok: Tokenizer, texts: list[str], seq_len: int) -> tuple[np.nd
     ids = np.zeros((len(texts), seq_len), np.int32)
     mask = np.zeros((len(texts), seq_len), np.float32)
     for i, t in enumerate(texts):
-        prompt, _, _ = t.partition("\nA: ")
-        n_prompt = len(tok.encode(prompt + "\nA: "))
+        prompt, _, _ = t.partition(SHORT_ANSWER_CUE)
+        n_prompt = len(tok.encode(prompt + SHORT_ANSWER_CUE))
         row = tok.encode(t) + [tok.eos_id]
         row = row[:seq_len]
         ids[i, :len(row)] = row
