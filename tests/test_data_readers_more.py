@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tppo_jax.data.formats import parse_options
 from tppo_jax.data.readers import DataError, read_examples
-from tppo_jax.data.readers_extra import parse_options
 
 MATHQA_ROWS = [
     {"Problem": "the banker ' s gain of a certain sum due 3 years hence at 10 % per annum is rs . "
