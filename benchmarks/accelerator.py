@@ -127,8 +127,9 @@ def decode_section(model, cfg, args) -> dict:
             "weight_bytes": weights, "xla": proxies}
 
 
-def train_section(model, kind: str, args) -> dict:
-    """Compiles, analyses and times one ``policy_update`` or ``value_update``."""
+def compile_train_step(model, kind: str, batch_size: int, seq: int):
+    """``policy_update`` or ``value_update`` of ``model`` compiled for a random batch:
+    ``(compiled, (params, opt_state, batch), n_params)``; the call donates params/opt."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -138,16 +139,15 @@ def train_section(model, kind: str, args) -> dict:
     from tppo_jax.config import AlgoConfig, OptimConfig
     from tppo_jax.train.step import StepConfig, make_optimizer, policy_update, value_update
 
-    tb, tl = args.train_batch, args.train_len
     gd, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     optim = OptimConfig(warmup_steps=1, minibatches=1)
     tx = make_optimizer(1e-5, optim)
-    scfg = StepConfig(algo=AlgoConfig(), optim=optim, window=tl, temperature=1.0)
+    scfg = StepConfig(algo=AlgoConfig(), optim=optim, window=seq, temperature=1.0)
     rng = np.random.default_rng(1)
-    ones = jnp.ones((tb, tl))
-    batch = {"tokens": jnp.asarray(rng.integers(4, model.config.vocab_size, (tb, tl)),
-                                   jnp.int32), "attn": jnp.ones((tb, tl), bool)}
+    ones = jnp.ones((batch_size, seq))
+    batch = {"tokens": jnp.asarray(rng.integers(4, model.config.vocab_size, (batch_size, seq)),
+                                   jnp.int32), "attn": jnp.ones((batch_size, seq), bool)}
     if kind == "policy":
         step = policy_update
         batch |= {"sample_logprobs": -2.0 * ones, "advantages": ones, "policy_mask": ones,
@@ -157,6 +157,16 @@ def train_section(model, kind: str, args) -> dict:
         batch |= {"values_old": 0.0 * ones, "returns": ones, "value_mask": ones}
     opt = tx.init(params)
     compiled = xla_cost.compile_fn(step, (gd, params, opt, batch), {"tx": tx, "cfg": scfg})
+    return compiled, (params, opt, batch), n_params
+
+
+def train_section(model, kind: str, args) -> dict:
+    """Compiles, analyses and times one ``policy_update`` or ``value_update``."""
+    import jax
+    from tppo_jax.benchmarks import xla_cost
+
+    tb, tl = args.train_batch, args.train_len
+    compiled, (params, opt, batch), n_params = compile_train_step(model, kind, tb, tl)
     out = {"batch": tb, "seq": tl, "params": n_params,
            "xla": xla_cost.train_report(compiled, n_params=n_params, tokens=tb * tl)}
     params, opt, _ = compiled(params, opt, batch)  # warm-up (params/opt are donated)
