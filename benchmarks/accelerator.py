@@ -195,11 +195,17 @@ def run(args: argparse.Namespace) -> dict:
                  "device_count": jax.device_count(), "backend": jax.default_backend(),
                  "arch": args.arch, "dtype": args.dtype, "remat": args.remat,
                  "versions": versions()}
+    path = Path(args.out) / f"accelerator_{jax.default_backend()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     policy = create_model(cfg, seed=0)
+    # Saved after every section: a run cut short by the script's timeout keeps what it got.
     out["decode"] = decode_section(policy, cfg, args)
     out["params"] = out["decode"]["weight_bytes"] // jax.numpy.dtype(args.dtype).itemsize
+    path.write_text(json.dumps(out, indent=2))
     out["train_policy"] = train_section(policy, "policy", args)
+    path.write_text(json.dumps(out, indent=2))
     out["train_value"] = train_section(ValueModel(cfg, rngs=nnx.Rngs(1)), "value", args)
+    path.write_text(json.dumps(out, indent=2))
     peaks = _peaks(kind)
     if peaks:
         flops, bw = peaks
@@ -218,8 +224,6 @@ def run(args: argparse.Namespace) -> dict:
     if out["backend"] == "cpu" and args.dtype == "bfloat16":
         out["notes"].append("XLA:CPU emulates bf16 by converting whole buffers: read the "
                             "decode proxies from a --dtype float32 run")
-    path = Path(args.out) / f"accelerator_{jax.default_backend()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(json.dumps(_summary(out), indent=2))
     print(f"-> {path}")
