@@ -138,8 +138,9 @@ def decode_section(model, cfg, args) -> dict:
             "weight_bytes": weights, "xla": proxies}
 
 
-def train_section(model, kind: str, args) -> dict:
-    """Compiles, analyses and times one ``policy_update`` or ``value_update``."""
+def compile_train_step(model, kind: str, batch_size: int, seq: int):
+    """``policy_update`` or ``value_update`` of ``model`` compiled for a random batch:
+    ``(compiled, (params, opt_state, batch), n_params)``; the call donates params/opt."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -149,16 +150,15 @@ def train_section(model, kind: str, args) -> dict:
     from tppo_jax.config import AlgoConfig, OptimConfig
     from tppo_jax.train.step import StepConfig, make_optimizer, policy_update, value_update
 
-    tb, tl = args.train_batch, args.train_len
     gd, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     optim = OptimConfig(warmup_steps=1, minibatches=1)
     tx = make_optimizer(1e-5, optim)
-    scfg = StepConfig(algo=AlgoConfig(), optim=optim, window=tl, temperature=1.0)
+    scfg = StepConfig(algo=AlgoConfig(), optim=optim, window=seq, temperature=1.0)
     rng = np.random.default_rng(1)
-    ones = jnp.ones((tb, tl))
-    batch = {"tokens": jnp.asarray(rng.integers(4, model.config.vocab_size, (tb, tl)),
-                                   jnp.int32), "attn": jnp.ones((tb, tl), bool)}
+    ones = jnp.ones((batch_size, seq))
+    batch = {"tokens": jnp.asarray(rng.integers(4, model.config.vocab_size, (batch_size, seq)),
+                                   jnp.int32), "attn": jnp.ones((batch_size, seq), bool)}
     if kind == "policy":
         step = policy_update
         batch |= {"sample_logprobs": -2.0 * ones, "advantages": ones, "policy_mask": ones,
@@ -168,6 +168,16 @@ def train_section(model, kind: str, args) -> dict:
         batch |= {"values_old": 0.0 * ones, "returns": ones, "value_mask": ones}
     opt = tx.init(params)
     compiled = xla_cost.compile_fn(step, (gd, params, opt, batch), {"tx": tx, "cfg": scfg})
+    return compiled, (params, opt, batch), n_params
+
+
+def train_section(model, kind: str, args) -> dict:
+    """Compiles, analyses and times one ``policy_update`` or ``value_update``."""
+    import jax
+    from tppo_jax.benchmarks import xla_cost
+
+    tb, tl = args.train_batch, args.train_len
+    compiled, (params, opt, batch), n_params = compile_train_step(model, kind, tb, tl)
     out = {"batch": tb, "seq": tl, "params": n_params,
            "xla": xla_cost.train_report(compiled, n_params=n_params, tokens=tb * tl)}
     params, opt, _ = compiled(params, opt, batch)  # warm-up (params/opt are donated)
@@ -196,11 +206,17 @@ def run(args: argparse.Namespace) -> dict:
                  "device_count": jax.device_count(), "backend": jax.default_backend(),
                  "arch": args.arch, "dtype": args.dtype, "remat": args.remat,
                  "versions": versions()}
+    path = Path(args.out) / f"accelerator_{jax.default_backend()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     policy = create_model(cfg, seed=0)
+    # Saved after every section: a run cut short by the script's timeout keeps what it got.
     out["decode"] = decode_section(policy, cfg, args)
     out["params"] = out["decode"]["weight_bytes"] // jax.numpy.dtype(args.dtype).itemsize
+    path.write_text(json.dumps(out, indent=2))
     out["train_policy"] = train_section(policy, "policy", args)
+    path.write_text(json.dumps(out, indent=2))
     out["train_value"] = train_section(ValueModel(cfg, rngs=nnx.Rngs(1)), "value", args)
+    path.write_text(json.dumps(out, indent=2))
     peaks = _peaks(kind)
     if peaks:
         flops, bw = peaks
@@ -219,8 +235,6 @@ def run(args: argparse.Namespace) -> dict:
     if out["backend"] == "cpu" and args.dtype == "bfloat16":
         out["notes"].append("XLA:CPU emulates bf16 by converting whole buffers: read the "
                             "decode proxies from a --dtype float32 run")
-    path = Path(args.out) / f"accelerator_{jax.default_backend()}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(json.dumps(_summary(out), indent=2))
     print(f"-> {path}")

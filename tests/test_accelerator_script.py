@@ -56,3 +56,16 @@ def test_accelerator_bench_from_the_cli(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check(json.loads((tmp_path / "accelerator_cpu.json").read_text()))
+
+
+def test_source_checkout_maps_the_shipped_folders():
+    # No site-packages (-S), so no installed or editable tppo_jax: the checkout alone must
+    # resolve tppo_jax.benchmarks / .configs as pyproject.toml's package-dir does.
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "import tppo_jax.benchmarks.xla_cost as m, tppo_jax.configs as c; "
+            "print(m.__file__); print(c.__path__[0])")
+    proc = subprocess.run([sys.executable, "-S", "-c", code, str(REPO)], cwd="/",
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(REPO / "benchmarks" / "xla_cost.py"),
+                                   str(REPO / "configs")]
