@@ -33,6 +33,10 @@ def test_smoke_train_then_resume(tmp_path):
     # The run keeps its own warm-start (tokenizer + weights): a copied run dir needs no cache.
     assert all((run / "warmstart" / f).exists() for f in ("DONE", "tokenizer.model", "policy"))
     assert list((run / "tensorboard").iterdir())
+    samples = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    assert samples and {"step", "prompt", "completion", "answer", "reward", "reason"} <= set(
+        samples[0])
+    assert samples[0]["prompt"].startswith("Q: ")  # the tiny model's own prompt format
     # The warm-start is cached next to the run dir, so it is reused on resume.
     assert len(list((tmp_path / "runs").glob("warmstart-*/DONE"))) == 1
 
@@ -51,8 +55,9 @@ def test_smoke_train_then_resume(tmp_path):
     r = _tppo("plot", str(run), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (run / "metrics_vs_step.png").stat().st_size > 1000
-    r = _tppo("eval", str(run), "-k", "2", cwd=tmp_path)
+    r = _tppo("eval", str(run), "-k", "2", "--show", "2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("=== prompt\nQ: ") == 2 and "--- completion" in r.stdout
     res = json.loads((run / "eval_6.json").read_text())
     assert 0.0 <= res["avg@2"] <= res["pass@2"] <= 100.0 and res["questions"] > 0
     r = _tppo("export", str(run), str(tmp_path / "hf"), cwd=tmp_path)
