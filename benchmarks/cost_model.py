@@ -142,16 +142,21 @@ def run(args: argparse.Namespace) -> dict:
     cpu = load_config(args.config)
     r = cpu.rollout
     runs = Path(args.runs)
-    unit_cpu = {m: measure(runs / f"{m}-seed{args.seed}", r.slots) for m in ("tppo", "ppo")}
-    # One unit cost per phase: the mean of the two runs' medians (same model and machine).
-    unit = {k: (unit_cpu["tppo"][k] + unit_cpu["ppo"][k]) / 2
+    have = [m for m in ("tppo", "ppo") if (runs / f"{m}-seed{args.seed}" / "metrics.jsonl")
+            .exists()]
+    if not have:
+        raise SystemExit(f"{runs}: no tppo-seed{args.seed}/ or ppo-seed{args.seed}/ run dir")
+    unit_cpu = {m: measure(runs / f"{m}-seed{args.seed}", r.slots) for m in have}
+    # One unit cost per phase: the mean of the runs' medians (same model and machine).
+    unit = {k: statistics.fmean(u[k] for u in unit_cpu.values())
             for k in ("t_step", "t_kv", "t_update", "t_grade")}
     out["cpu_units"] = {"per_run": unit_cpu, "used": unit}
     lengths = _task_lengths(cpu, runs, args.samples)
     sample_ratio = args.sample_ratio if args.sample_ratio is not None else 1.0
     cpu_pred = _compare(lengths, r.slots, r.window, r.max_response_len, args.cpu_prompt_len,
                         unit, False, sample_ratio)
-    out["cpu_check"] = {"predicted": cpu_pred, "measured": _measured(runs, args.seed)}
+    out["cpu_check"] = {"predicted": cpu_pred,
+                        "measured": _measured(runs, args.seed) if len(have) == 2 else None}
     arch = ARCHITECTURES[args.arch]
     kv = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2  # bf16 K and V
     slots = args.prompts * args.group
