@@ -54,9 +54,9 @@ log = logging.getLogger(__name__)
 class Models:
     tokenizer: Tokenizer
     policy_def: Any
-    policy: dict
+    policy: Any  # pure dict of params (None once a TrainState holds them)
     value_def: Any
-    value: dict
+    value: Any
     tokenizer_file: Path
 
 
@@ -136,6 +136,7 @@ def setup(cfg: Config, run_dir: str | Path, *, resume: bool, progress: bool,
     state = TrainState(models.policy, models.value,
                        commit_to_mesh(tx_p.init(models.policy), mesh),
                        commit_to_mesh(tx_v.init(models.value), mesh))
+    models.policy = models.value = None  # the params live in TrainState: no second copy
     run.sched = make_scheduler(run, state)
     if resume:
         state = restore(run, state)
