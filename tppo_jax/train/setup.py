@@ -105,15 +105,26 @@ class Run:
 
 def setup(cfg: Config, run_dir: str | Path, *, resume: bool, progress: bool,
           stack: contextlib.ExitStack) -> tuple[Run, TrainState]:
-    """Builds the run; everything that needs closing is closed by ``stack``."""
+    """Builds the run; everything that needs closing is closed by ``stack`` (the checkpoint
+    manager first: a failed save's last reports come out before the run's stop message)."""
     validate(cfg, num_devices=jax.device_count(), num_processes=jax.process_count())
     enable_compile_cache(cfg.train.compile_cache)
     rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
     ckpt = Checkpointer(rd.checkpoints, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+    try:
+        if ckpt.latest_step() is not None and not resume:
+            raise ConfigError(f"{ckpt.directory} already has checkpoints: pass --resume to "
+                              f"continue the run, or choose a new --run-dir")
+        out = _build(cfg, rd, ckpt, resume, progress, stack)
+    except BaseException:
+        ckpt.close()
+        raise
     stack.callback(ckpt.close)
-    if ckpt.latest_step() is not None and not resume:
-        raise ConfigError(f"{ckpt.directory} already has checkpoints: pass --resume to "
-                          f"continue the run, or choose a new --run-dir")
+    return out
+
+
+def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: bool,
+           stack: contextlib.ExitStack) -> tuple[Run, TrainState]:
     rd.local.mkdir(parents=True, exist_ok=True)
     primary = mh.is_primary()
     if resume:  # a bucket run's logs, so the resumed run appends to them (other hosts:
