@@ -82,7 +82,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def run(args: argparse.Namespace) -> dict:
     from tppo_jax.config import load_config
-    from tppo_jax.train.trainer import train
+    from tppo_jax.train.loop import train
 
     out_dir = Path(args.out)
     name = _out_name(args.config)

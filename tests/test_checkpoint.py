@@ -41,3 +41,17 @@ def test_checkpoint_path_keeps_bucket_urls(tmp_path, monkeypatch):
     assert str(checkpoint_path("gs://bkt/runs/x/checkpoints")) == "gs://bkt/runs/x/checkpoints"
     monkeypatch.chdir(tmp_path)
     assert str(checkpoint_path("runs/ck")) == str(tmp_path / "runs" / "ck")
+
+
+def test_items_are_named_by_the_trees_given(tmp_path):
+    """The checkpointer saves and restores whatever items it is handed (no fixed list)."""
+    ck = Checkpointer(tmp_path / "ckpt", every=1, keep=5)
+    trees = {"alpha": {"w": jnp.arange(3.0)}, "beta": {"b": jnp.ones(2)}}
+    assert ck.save(1, trees, {"step": 1})
+    ck.close()
+    assert {p.name for p in (tmp_path / "ckpt" / "1").iterdir()} >= {"alpha", "beta", "meta"}
+    ck = Checkpointer(tmp_path / "ckpt", every=1, keep=5)
+    out, meta = ck.restore(1, {"beta": {"b": jnp.zeros(2)}})  # a subset restores alone
+    assert set(out) == {"beta"} and meta["step"] == 1
+    np.testing.assert_array_equal(out["beta"]["b"], [1.0, 1.0])
+    ck.close()

@@ -18,7 +18,7 @@ from tppo_jax.data.readers import read_examples
 from tppo_jax.models.hf import config_from_hf, from_pretrained
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.rewards.math import answer_format_for, extract_answer
-from tppo_jax.train.trainer import make_grader
+from tppo_jax.train.setup import make_grader
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

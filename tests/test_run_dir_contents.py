@@ -14,7 +14,7 @@ from tppo_jax.config import load_config
 from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.models.tokenizer import train_sentencepiece
 from tppo_jax.train.checkpoint import ITEMS, Checkpointer
-from tppo_jax.train.trainer import load_models
+from tppo_jax.train.setup import load_models
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "qwen2"
 

@@ -144,8 +144,9 @@ def test_paged_equals_dense_and_short_pool_admits_fewer():
 
 @pytest.mark.parametrize("cache", ["dense", "paged"])
 def test_restored_scheduler_continues_exactly(cache):
-    """state_dict + cache_state into a fresh scheduler (what a checkpoint holds): the next
-    windows, in-flight continuations included, are exactly the uninterrupted ones."""
+    """checkpoint_items() + host_state() into a fresh scheduler's restore() (what a
+    checkpoint holds): the next windows, in-flight continuations included, are exactly the
+    uninterrupted ones."""
     import copy
 
     a = _scheduler(window=8, cache=cache)
@@ -153,11 +154,11 @@ def test_restored_scheduler_continues_exactly(cache):
     for _ in range(2):
         for s in (a, b):
             s.release_finished(s.step().finished)
-    saved, kv = copy.deepcopy(b.state_dict()), b.cache_state()
+    saved, trees = copy.deepcopy(b.host_state()), b.checkpoint_items()
+    assert set(trees) == {"slots", "kv_cache"}
     c = _scheduler(window=8, cache=cache)
     c.prompts = b.prompts  # the data iterator is checkpointed by the trainer, not here
-    c.load_state_dict(saved)
-    c.restore_cache(kv)
+    c.restore(trees, saved)
     assert (c.state.live & (c.state.windows_done > 0)).any()  # continuations in flight
     for _ in range(3):
         ra, rc = a.step(), c.step()

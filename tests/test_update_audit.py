@@ -10,6 +10,7 @@ from flax import nnx
 from tppo_jax import algo
 from tppo_jax.config import AlgoConfig, OptimConfig, load_config
 from tppo_jax.models.transformer import ModelConfig, create_model
+from tppo_jax.train.batch import shuffle_keys
 from tppo_jax.train.step import (
     StepConfig,
     _epoch_order,
@@ -20,7 +21,6 @@ from tppo_jax.train.step import (
     policy_update,
     updates_per_step,
 )
-from tppo_jax.train.trainer import _shuffle_keys
 
 B, S = 8, 10
 
@@ -131,9 +131,9 @@ def test_minibatches_are_shuffled_per_epoch_reproducibly():
                                                         [0.0, 0.3]])}, 0)
     assert order.keys() == {"x"} and list(np.asarray(order["x"])) == [3, 1, 2, 0]
     cfg = load_config("default", ["optim.epochs=2"])
-    k = _shuffle_keys(cfg, 7, 32)
-    assert k.shape == (32, 2) and np.array_equal(k, _shuffle_keys(cfg, 7, 32))  # exact resume
-    assert not np.array_equal(k, _shuffle_keys(cfg, 8, 32))
+    k = shuffle_keys(cfg, 7, 32)
+    assert k.shape == (32, 2) and np.array_equal(k, shuffle_keys(cfg, 7, 32))  # exact resume
+    assert not np.array_equal(k, shuffle_keys(cfg, 8, 32))
     assert not np.array_equal(np.argsort(k[:, 0]), np.argsort(k[:, 1]))  # a new order per epoch
     # A shuffled update equals the same update on the rows permuted by hand.
     optim = OptimConfig(warmup_steps=1, minibatches=2)

@@ -60,15 +60,15 @@ def test_first_update_compiles_once_per_shape():
     """The trainer's initial optimizer state looks exactly like an update's output (committed,
     on the mesh), so the second step reuses the first step's executable."""
     from tppo_jax.parallel.mesh import make_mesh
+    from tppo_jax.train.state import commit_to_mesh
     from tppo_jax.train.step import on_mesh
-    from tppo_jax.train.trainer import _on_mesh
 
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
     gd, st = nnx.split(create_model(ModelConfig.tiny(vocab_size=32), mesh=mesh))
     params = nnx.to_pure_dict(st)
     optim = OptimConfig(warmup_steps=1, minibatches=2)
     tx = make_optimizer(1e-3, optim)
-    opt = _on_mesh(tx.init(params), mesh)
+    opt = commit_to_mesh(tx.init(params), mesh)
     cfg = StepConfig(algo=AlgoConfig(), optim=optim, window=8, temperature=1.0)
     fn = on_mesh(policy_update, mesh, gd, params, opt, tx=tx, cfg=cfg)
     b, s = 4, 32

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -57,8 +58,8 @@ def setup_logging() -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from tppo_jax.config import load_config
     from tppo_jax.train.checkpoint import CheckpointError
+    from tppo_jax.train.loop import TrainingDiverged, nan_updates_from, train
     from tppo_jax.train.run_config import resume_config
-    from tppo_jax.train.trainer import TrainingDiverged, train
 
     setup_logging()
     start_distributed(args)
@@ -68,8 +69,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = resume_config(run_dir, args.config, args.overrides) if args.resume else None
     if cfg is None:
         cfg = load_config(args.config, args.overrides)
+    # Fault injection for the reliability tests (they run this command in a subprocess):
+    # TPPO_FAULT_NAN_FROM_STEP=N makes every update from step N on see NaN advantages.
+    fault = os.environ.get("TPPO_FAULT_NAN_FROM_STEP")
+    hooks = nan_updates_from(int(fault)) if fault else None
     try:
-        summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress)
+        summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
+                        hooks=hooks)
     except (TrainingDiverged, CheckpointError) as e:
         print(f"tppo train: stopped: {e}", file=sys.stderr)
         return 1
@@ -98,7 +104,7 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
     from tppo_jax.data.prompts import SHORT_ANSWER_CUE, prompt_builder
     from tppo_jax.data.synthetic import length_histogram
     from tppo_jax.models.tokenizer import Tokenizer
-    from tppo_jax.train.trainer import load_data, model_folder
+    from tppo_jax.train.setup import load_data, model_folder
     from tppo_jax.train.warmstart import synthetic_task
 
     cfg = load_config(args.config, args.overrides)
@@ -170,7 +176,7 @@ def load_run_policy(run_dir: Path, step: int | None):
         CheckpointError,
         run_model_files,
     )
-    from tppo_jax.train.trainer import load_models
+    from tppo_jax.train.setup import load_models
     from tppo_jax.train.warmstart import RUN_SUBDIR
 
     if not (run_dir / "config.yaml").exists():
@@ -214,7 +220,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tppo_jax.data.prompts import prompt_builder
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.train.evaluate import evaluate
-    from tppo_jax.train.trainer import load_data, make_grader
+    from tppo_jax.train.setup import load_data, make_grader
 
     run_dir = Path(args.run_dir)
     cfg, tok, policy, step, _ = load_run_policy(run_dir, args.step)

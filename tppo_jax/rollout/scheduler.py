@@ -336,3 +336,19 @@ class TruncatedRolloutScheduler:
                               tree, serialization.to_state_dict(self.ds.cache))
         self.ds = self.ds.replace(cache=serialization.from_state_dict(self.ds.cache, placed))
         self._force_prefill = False
+
+    def checkpoint_items(self) -> dict[str, Any]:
+        """The device trees a checkpoint saves: ``slots`` (every host's slot rows as one
+        global array each) and ``kv_cache``; also the templates a restore reads into."""
+        return {"slots": {k: self._put(v) for k, v in self.state.to_dict().items()},
+                "kv_cache": self.cache_state()}
+
+    def host_state(self) -> dict[str, Any]:
+        """This host's JSON-able state besides the slots (counters, queue, examples)."""
+        return {k: v for k, v in self.state_dict().items() if k != "slots"}
+
+    def restore(self, trees: dict[str, Any], host_state: dict[str, Any]) -> None:
+        """Undoes ``checkpoint_items()`` + ``host_state()``: the next ``step()`` continues
+        as the saved scheduler would have. Set the policy (``set_policy``) before stepping."""
+        self.load_state_dict({**host_state, "slots": tree_to_host(trees["slots"])})
+        self.restore_cache(trees["kv_cache"])

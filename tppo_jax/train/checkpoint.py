@@ -1,5 +1,6 @@
-"""Orbax checkpoints: ``policy``/``value`` params and their optimizer states as separate
-items, plus the trainer state (step, RNG, data-iterator state, scheduler slots).
+"""Orbax checkpoints: one item per tree the caller passes, named as the caller names it
+(a training run: its ``TrainState``'s params and optimizer states, the scheduler's slots and
+KV cache), plus JSON metadata (step, data-iterator and scheduler host state).
 
 Multi-host: every process calls ``save``/``restore`` with global arrays; Orbax writes each
 shard once from the host that holds it, and process 0 writes the JSON metadata."""
@@ -22,7 +23,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.parallel.multihost import global_to_host, tree_to_host
+from tppo_jax.parallel.multihost import global_to_host
 from tppo_jax.train.manifest import MANIFEST, check, write_manifest
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,13 @@ def checkpoint_path(directory: str | Path) -> epath.Path:
     s = str(directory)
     return epath.Path(s) if "://" in s else epath.Path(Path(s).absolute())
 
-# kv_cache: the scheduler's cache of unfinished rows, so a resumed run continues exactly
-# as an uninterrupted one would (with kv_policy=keep it holds old-policy keys/values).
+# The items a training run's checkpoints hold (``TrainState.items()`` +
+# ``TruncatedRolloutScheduler.checkpoint_items()``); the Checkpointer itself saves and
+# restores whatever trees it is given. kv_cache: the scheduler's cache of unfinished rows,
+# so a resumed run continues exactly as an uninterrupted one would.
 ITEMS = ("policy", "value", "policy_opt", "value_opt", "slots", "kv_cache")
+# Items a save refuses to write when they hold NaN or inf (a diverged run's params).
+FINITE_ITEMS = ("policy", "value")
 DAMAGED = ".damaged"  # suffix of a step set aside by a resume (Orbax ignores the folder)
 
 
@@ -80,11 +85,11 @@ class Checkpointer:
         previous checkpoint is untouched (Orbax writes to a temporary folder first)."""
         if not (force or self.due(step)):
             return False
-        bad = [k for k in ("policy", "value") if not all_finite(trees[k])]
+        bad = [k for k in FINITE_ITEMS if k in trees and not all_finite(trees[k])]
         if bad:
             log.error("checkpoint at step %d skipped: non-finite values in %s", step, bad)
             return False
-        args = {k: ocp.args.StandardSave(trees[k]) for k in ITEMS}
+        args = {k: ocp.args.StandardSave(tree) for k, tree in trees.items()}
         args["meta"] = ocp.args.JsonSave(meta)
         threads = set(threading.enumerate())
         hook, sys.unraisablehook = sys.unraisablehook, _ignore_closed_loops(sys.unraisablehook)
@@ -130,13 +135,11 @@ class Checkpointer:
         return check(self.directory / str(step), items)
 
     def restore(self, step: int, templates: dict[str, Any]) -> tuple[dict[str, Any], dict]:
-        """Restores into the structure (and shardings) of ``templates``."""
-        args = {k: ocp.args.StandardRestore(templates[k]) for k in ITEMS}
+        """Restores the items named by ``templates`` into their structure (and shardings)."""
+        args = {k: ocp.args.StandardRestore(tree) for k, tree in templates.items()}
         args["meta"] = ocp.args.JsonRestore()
         out = self.mngr.restore(step, args=ocp.args.Composite(**args))
-        trees = {k: out[k] for k in ITEMS}
-        trees["slots"] = tree_to_host(trees["slots"])  # this host's rows, as numpy
-        return trees, out["meta"]
+        return {k: out[k] for k in templates}, out["meta"]
 
     def restore_latest(self, templates: dict[str, Any]
                        ) -> tuple[int, dict[str, Any], dict] | None:

@@ -1,0 +1,30 @@
+"""The loop's small parts: TrainState as a pytree whose trees carry the checkpoint's item
+names, and the fault-injection hook the CLI builds from TPPO_FAULT_NAN_FROM_STEP."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tppo_jax.train.checkpoint import ITEMS
+from tppo_jax.train.loop import TrainHooks, nan_updates_from
+from tppo_jax.train.state import TrainState
+
+
+def test_train_state_is_a_pytree_with_static_step():
+    s = TrainState({"w": jnp.ones(2)}, {"v": jnp.ones(3)}, {"m": jnp.zeros(2)},
+                   {"m": jnp.zeros(3)}, step=7)
+    assert len(jax.tree.leaves(s)) == 4
+    doubled = jax.tree.map(lambda x: x * 2, s)
+    assert doubled.step == 7 and float(doubled.policy["w"][0]) == 2.0
+    # Its trees plus the scheduler's (slots, kv_cache) are exactly a run's checkpoint items.
+    assert (*s.items(), "slots", "kv_cache") == ITEMS
+
+
+def test_nan_hook_poisons_updates_from_the_given_step():
+    hook = nan_updates_from(2).before_update
+    batch = {"advantages": jnp.ones(4), "returns": jnp.ones(4), "tokens": jnp.ones(4)}
+    assert hook(0, batch) is batch  # step 1: untouched
+    out = hook(1, batch)  # step 2 (0-based 1) on: NaN advantages and returns only
+    assert np.isnan(out["advantages"]).all() and np.isnan(out["returns"]).all()
+    assert np.isfinite(out["tokens"]).all() and np.isfinite(batch["advantages"]).all()
+    assert TrainHooks().before_update is None

@@ -1,0 +1,377 @@
+"""The T-PPO training loop (docs/algorithm.md section 5)::
+
+    run, state = setup(cfg)                  # train/setup.py: models, data, scheduler, resume
+    evaluate (held out)
+    for each step:
+        roll = collect(run)                  # one rollout window; grade the rows that finished
+        state = update(run, state, roll)     # critic targets + EGAE -> policy and value updates
+        log(run, state, roll, upd)           # metrics (summed over hosts), sample completions
+        maybe_checkpoint(run, state)         # on schedule; at the end, preemption, time budget
+    evaluate (held out)
+
+Multi-host (``jax.distributed``): every process runs this same loop. Each host reads its
+own shard of the prompts, keeps its own ``slots / P`` rollout slots and grades its own rows;
+batches go to the updates as global arrays (``parallel.multihost``), metrics are summed over
+hosts, and only process 0 writes logs and summaries. Stop decisions (preemption, time
+budget) are agreed by all hosts so no process leaves the loop alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from tppo_jax.config import Config
+from tppo_jax.models.tokenizer import Tokenizer
+from tppo_jax.parallel import multihost as mh
+from tppo_jax.rewards.math import overlong_penalty
+from tppo_jax.rollout.scheduler import RolloutBatch
+from tppo_jax.train.batch import batch_arrays, shuffle_keys, value_rows
+from tppo_jax.train.run_dir import mirror
+from tppo_jax.train.setup import (
+    Run,
+    checkpoint_meta,
+    checkpoint_trees,
+    eval_before,
+    heldout_eval,
+    policy_module,
+    setup,
+)
+from tppo_jax.train.state import TrainState
+
+log = logging.getLogger(__name__)
+
+Batch = dict[str, jax.Array]
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient."""
+
+
+@dataclass
+class TrainHooks:
+    """Where a caller (a test, the CLI's fault injection) acts on a run.
+
+    before_update: ``(step, batch) -> batch`` the updates of 0-based ``step`` train on.
+    """
+
+    before_update: Callable[[int, Batch], Batch] | None = None
+
+
+def nan_updates_from(step: int) -> TrainHooks:
+    """Fault injection: every update from (1-based) ``step`` on sees NaN advantages and
+    returns (the reliability tests' divergence)."""
+    def poison(i: int, batch: Batch) -> Batch:
+        if i + 1 < step:
+            return batch
+        return {**batch, "advantages": batch["advantages"] * float("nan"),
+                "returns": batch["returns"] * float("nan")}
+
+    return TrainHooks(before_update=poison)
+
+
+class _StopOnSignal:
+    """SIGTERM (preemption) asks the loop to finish the current step, checkpoint, and exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = None
+
+    def __enter__(self) -> _StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        log.warning("SIGTERM: finishing this step, saving a checkpoint, then exiting")
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
+          hooks: TrainHooks | None = None) -> dict[str, Any]:
+    """Runs T-PPO; returns a summary (before/after held-out accuracy, steps, time).
+
+    ``run_dir`` may be a bucket URL (``gs://...``): see ``train/run_dir.py``.
+    """
+    hooks = hooks or TrainHooks()
+    with contextlib.ExitStack() as stack:
+        run, state = setup(cfg, run_dir, resume=resume, progress=progress, stack=stack)
+        before = eval_before(run, state)
+        t_start = time.time()
+        bar = tqdm(range(run.start, cfg.train.steps), desc="T-PPO", dynamic_ncols=True,
+                   disable=not (run.progress and run.primary), initial=run.start,
+                   total=cfg.train.steps)
+        # Wall-clock of training steps only (held-out evals excluded), continued on resume.
+        train_time = float(run.metrics.last.get("train_time_s", 0.0))
+        skipped_in_a_row, preempted = 0, False
+        stopper = stack.enter_context(_StopOnSignal())
+        watch = stack.enter_context(run.steps.watch)
+        for step in bar:
+            watch.reset()  # held-out evals between steps are not step time
+            roll = collect(run)
+            state, upd = update(run, state, roll, step, hooks, skipped_in_a_row)
+            skipped_in_a_row = upd.skipped_in_a_row
+            row = log_step(run, state, roll, upd, train_time)
+            train_time += time.time() - roll.t0
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", fin=int(row["finished"]))
+            target_hit = maybe_evaluate(run, state)
+            preempted, time_up = stop_flags(run, stopper, t_start)
+            stop = target_hit or time_up
+            maybe_checkpoint(run, state, last=state.step == cfg.train.steps or stop or preempted)
+            if preempted:
+                log.warning("preempted: checkpoint saved at step %d", state.step)
+                break
+            if stop:
+                log.info("stopping at step %d (target accuracy or time budget reached)",
+                         state.step)
+                break
+        after = heldout_eval(run, state) if not preempted else None
+    summary = {"eval_before": before, "eval_after": after, "steps": state.step,
+               "preempted": preempted, "train_seconds": time.time() - t_start,
+               "run_dir": run.rd.remote or str(run.run_dir)}
+    if run.primary:
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        mirror(run.rd)
+    return summary
+
+
+@dataclass
+class Rollout:
+    """One step's rollout and its grades (this host's rows)."""
+
+    rb: RolloutBatch
+    fin: np.ndarray  # indices of the finished rows
+    reward: np.ndarray  # [B] outcome reward (+ overlong shaping) of finished rows, else 0
+    correct: np.ndarray  # [B] bool
+    counts: dict[str, int]  # grade outcomes by reason
+    samples: list[dict[str, Any]]  # readable records of the first finished rows
+    token_rewards: np.ndarray | None  # [B, S] process rewards, when configured
+    steps_valid: float | None  # all-steps-valid rate of the finished rows
+    idle: int  # slots left empty (paged pool short)
+    t0: float  # when the step began
+    t_roll: float  # seconds in the rollout, compiles included
+    t_grade: float
+    n_roll: int  # rollout-side compiles (decode shapes) and their seconds
+    c_roll: float
+
+
+def collect(run: Run) -> Rollout:
+    """One rollout window over every slot, then grading of the rows that finished."""
+    cfg, tok, sched = run.cfg, run.models.tokenizer, run.sched
+    t0 = time.time()
+    rb = sched.step()
+    idle = int((~sched.state.live).sum())
+    t_roll = time.time() - t0
+    fin = np.flatnonzero(rb.finished)
+    reward = np.zeros(sched.B, np.float32)  # this host's rows
+    correct = np.zeros(sched.B, bool)
+    counts: dict[str, int] = {}
+    samples: list[dict[str, Any]] = []
+    if len(fin):
+        texts = [tok.decode(rb.response_tokens(i)) for i in fin]
+        g = run.grader.grade(texts, [rb.examples[i].answer for i in fin])
+        reward[fin], correct[fin], counts = g.rewards, g.correct, g.counts
+        if cfg.reward.overlong_buffer > 0:  # DAPO soft overlong punishment
+            reward[fin] += overlong_penalty(
+                (rb.total_len - rb.prompt_len)[fin], cfg.rollout.max_response_len,
+                cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
+        samples = sample_rows(tok, rb, fin, texts, reward, g.reasons,
+                              cfg.logging.samples_per_step)
+    token_rewards, steps_valid = None, None
+    if cfg.reward.process != "none" and len(fin):
+        token_rewards, steps_valid = step_process_rewards(cfg, tok, rb, fin)
+    t_grade = time.time() - t0 - t_roll
+    n_roll, c_roll = run.steps.watch.take()
+    return Rollout(rb, fin, reward, correct, counts, samples, token_rewards, steps_valid,
+                   idle, t0, t_roll, t_grade, n_roll, c_roll)
+
+
+@dataclass
+class Update:
+    """What one step's updates report."""
+
+    pstats: dict[str, Any]  # policy stats (empty during critic warm-up)
+    vstats: dict[str, Any]
+    width: int  # columns the updates ran on (a width bucket)
+    value_rows: int  # rows the critic trained on (0: none finished anywhere)
+    n_comp: int  # update-side compiles and their seconds
+    c_upd: float
+    t_update: float
+    skipped_in_a_row: int  # consecutive steps with a skipped (non-finite) update
+
+
+def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHooks,
+           skipped_in_a_row: int) -> tuple[TrainState, Update]:
+    """Critic targets and advantages, then the policy and value updates (independent), then
+    the scheduler samples from the new policy and frees the finished rows' slots."""
+    cfg, rb, fns, sched = run.cfg, roll.rb, run.steps, run.sched
+    arrays = batch_arrays(rb, roll.reward, roll.correct, run.mesh, roll.token_rewards,
+                          shuffle=shuffle_keys(cfg, step, sched.B))
+    targets = fns.targets(state.value, arrays)
+    train_batch = {**arrays, **targets}
+    if hooks.before_update is not None:
+        train_batch = hooks.before_update(step, train_batch)
+    # Dispatched back to back: neither update waits for the other's result.
+    policy, opt_p, pstats = state.policy, state.policy_opt, {}
+    if step >= cfg.algo.critic_warmup_steps:
+        policy, opt_p, pstats = fns.policy(policy, opt_p, train_batch)
+    vrows = value_rows(rb.finished, run.mesh, run.row_unit)
+    value, opt_v = state.value, state.value_opt
+    vstats: dict[str, Any] = {"value_loss": 0.0, "value_skipped": 0.0}
+    if vrows is not None:  # the critic trains on finished rows only
+        value, opt_v, vstats = fns.value(value, opt_v, {**train_batch, "value_rows": vrows})
+    pstats, vstats = mh.tree_to_host((pstats, vstats))  # replicated scalars
+    skipped = float(pstats.get("policy_skipped", 0.0)) + float(vstats["value_skipped"])
+    skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+    if skipped_in_a_row >= cfg.train.max_skipped_updates:
+        raise TrainingDiverged(
+            f"step {step + 1}: non-finite loss or gradient in {skipped_in_a_row} "
+            f"consecutive steps (updates skipped, params unchanged); last checkpoint: "
+            f"step {run.ckpt.latest_step()} in {run.ckpt.directory}")
+    n_comp, c_upd = fns.watch.take()
+    t_update = time.time() - roll.t0 - roll.t_roll - roll.t_grade
+    width, nrows = int(arrays["tokens"].shape[1]), 0 if vrows is None else int(vrows.shape[0])
+    # After warm-up a function that has compiled should only meet known shapes.
+    late = [k for k, (n0, _) in fns.watch.new_shapes().items() if n0 and step > run.start + 2]
+    if late:
+        log.warning("step %d: %s compiled a new shape (width %d, critic rows %s); "
+                    "shapes so far: %s", step + 1, ", ".join(late), width,
+                    None if vrows is None else nrows, fns.watch.sizes())
+    state = TrainState(policy, value, opt_p, opt_v, step + 1)
+    sched.set_policy(policy_module(run, state), step + 1)
+    sched.release_finished(rb.finished)
+    return state, Update(pstats, vstats, width, nrows, n_comp, c_upd, t_update,
+                         skipped_in_a_row)
+
+
+def log_step(run: Run, state: TrainState, roll: Rollout, upd: Update,
+             train_time: float) -> dict[str, Any]:
+    """Writes the step's metrics (host-local counts summed over hosts, then turned into
+    means) and sample completions; returns the metrics row."""
+    rb, fin, pstats, vstats, watch = roll.rb, roll.fin, upd.pstats, upd.vstats, run.steps.watch
+    resp_len = rb.total_len - rb.prompt_len
+    tot = mh.sum_over_hosts({
+        "fin": len(fin), "reward": roll.reward[fin].sum(), "correct": roll.correct[fin].sum(),
+        "resp_len": resp_len[fin].sum(), "rows": run.sched.B, "tokens": rb.window_len.sum(),
+        "idle": roll.idle, "steps_valid": (roll.steps_valid or 0.0) * len(fin)})
+    top = mh.max_over_hosts({"resp_len": resp_len.max(), "window": rb.window_len.max()})
+    counts = _merge_counts(mh.gather_json({k: int(v) for k, v in roll.counts.items()}))
+    nfin = max(tot["fin"], 1.0)
+    c_roll, c_upd, t0 = roll.c_roll, upd.c_upd, roll.t0
+    row = run.metrics.write(state.step, {
+        "reward_mean": tot["reward"] / nfin,
+        "accuracy": tot["correct"] / nfin,
+        "finished_frac": tot["fin"] / tot["rows"],
+        "finished": int(tot["fin"]),
+        "response_len_mean": tot["resp_len"] / nfin,
+        "response_len_max": int(top["resp_len"]),
+        "occupancy": tot["tokens"] / max(1.0, run.cfg.rollout.slots * top["window"]),
+        "policy_loss": float(pstats.get("policy_loss", 0.0)),
+        "value_loss": float(vstats["value_loss"]),
+        **{k: float(v) for k, v in pstats.items() if k != "policy_loss"},
+        **{k: float(v) for k, v in vstats.items() if k != "value_loss"},
+        **{f"grade_{k}": v for k, v in counts.items()},
+        **({"steps_all_valid_frac": tot["steps_valid"] / nfin}
+           if roll.steps_valid is not None else {}),
+        "tokens": int(tot["tokens"]),
+        "idle_slots": int(tot["idle"]),
+        # Compile seconds are split out of the phase they happened in.
+        "time_rollout_s": roll.t_roll - c_roll, "time_grading_s": roll.t_grade,
+        "time_update_s": upd.t_update - c_upd, "time_compile_s": c_roll + c_upd,
+        "compiles": roll.n_roll + upd.n_comp, "compiles_total": watch.total_count,
+        # What the updates ran on (the cost model's update tokens: rows x width).
+        "update_width": upd.width,
+        "value_rows": upd.value_rows,
+        **{f"compiled_shapes_{k}": v for k, v in watch.sizes().items()},
+        "tokens_per_s": tot["tokens"] / max(time.time() - t0, 1e-9),
+        "train_time_s": train_time + (time.time() - t0),
+    })
+    run.metrics.write_samples(state.step, roll.samples)
+    return row
+
+
+def maybe_evaluate(run: Run, state: TrainState) -> bool:
+    """The held-out eval every ``train.eval_every`` steps; True when it reaches
+    ``train.target_accuracy``."""
+    tc = run.cfg.train
+    if not (tc.eval_every and state.step % tc.eval_every == 0):
+        return False
+    res = heldout_eval(run, state)  # identical on every host
+    run.metrics.write(state.step, {f"eval_{k}": v for k, v in res.items()})
+    return tc.target_accuracy is not None and res["accuracy"] >= tc.target_accuracy
+
+
+def stop_flags(run: Run, stopper: _StopOnSignal, t_start: float) -> tuple[bool, bool]:
+    """(preempted, time budget spent). Clocks and signals differ per host: stop when any
+    host says so, all together."""
+    budget = run.cfg.train.time_budget_s
+    flags = mh.max_over_hosts({
+        "preempted": stopper.requested,
+        "time_up": budget is not None and time.time() - t_start >= budget})
+    return bool(flags["preempted"]), bool(flags["time_up"])
+
+
+def maybe_checkpoint(run: Run, state: TrainState, *, last: bool) -> None:
+    """Saves on schedule and at the ``last`` step; a bucket run's files are mirrored after."""
+    # Built only for a save: the host-state gather and slot upload are not free.
+    if (last or run.ckpt.due(state.step)) and run.ckpt.save(
+            state.step, checkpoint_trees(run, state), checkpoint_meta(run, state.step),
+            force=True) and run.primary:
+        mirror(run.rd)
+
+
+def sample_rows(tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray, texts: list[str],
+                reward: np.ndarray, reasons: list[str], n: int) -> list[dict[str, Any]]:
+    """The first ``n`` finished rows as readable records (prompt, completion, grade)."""
+    out = []
+    for j, i in enumerate(rows[:n]):
+        prompt = tok.decode(rb.tokens[i, :int(rb.prompt_len[i])], skip_special=False)
+        out.append({"prompt": prompt, "completion": texts[j], "answer": rb.examples[i].answer,
+                    "reward": float(reward[i]), "reason": reasons[j]})
+    return out
+
+
+def step_process_rewards(cfg: Config, tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray
+                         ) -> tuple[np.ndarray, float]:
+    """Dense ``[B, S]`` process rewards for finished ``rows`` and their all-steps-valid rate."""
+    from tppo_jax.rewards.process import process_rewards, step_token_ends
+    from tppo_jax.rewards.step_verifier import verify_solution
+
+    out = np.zeros(rb.tokens.shape, np.float32)
+    valid = []
+    for i in rows:
+        ids = rb.response_tokens(int(i))
+        text = tok.decode(ids)
+        rep = verify_solution(text)
+        valid.append(rep.all_valid)
+        ends = step_token_ends(rep, text, tok, ids)
+        pr = process_rewards([rep], [ends], [len(ids)], mode=cfg.reward.process,
+                             penalty=cfg.reward.process_penalty,
+                             step_bonus=cfg.reward.process_bonus, num_tokens=len(ids))
+        a = int(rb.prompt_len[i])
+        out[i, a:a + len(ids)] = pr[0]
+    return out, float(np.mean(valid)) if valid else 0.0
+
+
+def _merge_counts(per_host: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for counts in per_host:
+        for k, v in counts.items():
+            out[k] = out.get(k, 0) + int(v)
+    return out

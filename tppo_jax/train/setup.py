@@ -1,0 +1,379 @@
+"""Setting up a training run from its ``Config``: run dir and checkpoints, mesh, models,
+data and prompts, optimizers, the rollout scheduler, the jitted steps on the mesh, grader,
+metrics, and (``--resume``) the newest good checkpoint.
+
+``setup()`` returns a ``Run`` (everything that stays fixed while training) and the
+``TrainState`` the loop starts from; ``train/loop.py`` only reads the ``Run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+from flax import nnx
+
+from tppo_jax.config import Config, ConfigError, validate
+from tppo_jax.data.pipeline import PromptPipeline
+from tppo_jax.data.prompts import prompt_builder
+from tppo_jax.data.readers import MathExample, read_examples
+from tppo_jax.models.tokenizer import Tokenizer
+from tppo_jax.models.transformer import param_shardings, shard_model
+from tppo_jax.models.value import ValueModel
+from tppo_jax.parallel import multihost as mh
+from tppo_jax.parallel.mesh import data_parallel_size, layout_rules, make_mesh, reshard
+from tppo_jax.rewards.math import MathGrader, answer_format_for
+from tppo_jax.rollout.decode import SamplingParams
+from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
+from tppo_jax.train.checkpoint import Checkpointer, record_model
+from tppo_jax.train.evaluate import evaluate
+from tppo_jax.train.metrics import MetricsWriter
+from tppo_jax.train.run_dir import RunDir, pull, resolve_run_dir
+from tppo_jax.train.shapes import CompileWatch, enable_compile_cache
+from tppo_jax.train.state import TrainState, commit_to_mesh
+from tppo_jax.train.step import (
+    StepConfig,
+    make_optimizer,
+    on_mesh,
+    policy_update,
+    rollout_targets,
+    value_update,
+)
+from tppo_jax.train.warmstart import RUN_SUBDIR, run_warmstart, synthetic_task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Models:
+    tokenizer: Tokenizer
+    policy_def: Any
+    policy: Any  # pure dict of params (None once a TrainState holds them)
+    value_def: Any
+    value: Any
+    tokenizer_file: Path
+
+
+@dataclass
+class Steps:
+    """The jitted steps on the mesh and the compile watch over them."""
+
+    targets: Callable  # (value params, batch) -> critic targets + advantages
+    policy: Callable  # (policy params, opt state, batch) -> (params, opt state, stats)
+    value: Callable  # (value params, opt state, batch) -> (params, opt state, stats)
+    watch: CompileWatch
+
+
+@dataclass
+class Run:
+    """A training run's parts, fixed once set up (what the updates change is ``TrainState``).
+    The fields after ``progress`` are built by ``setup()`` from the ones before them."""
+
+    cfg: Config
+    rd: RunDir  # the run dir: rd.local (a bucket run's local staging copy)
+    mesh: Any
+    models: Models  # tokenizer and graph defs (the params live in TrainState)
+    eval_rows: list[MathExample]
+    encode: Callable[[MathExample], list[int]]
+    pipeline: PromptPipeline
+    sampling: SamplingParams
+    decode_shardings: Any  # decode-layout param shardings, or None (train layout)
+    ckpt: Checkpointer
+    row_unit: int  # the critic's rows split into minibatches x micro-batches x batch ways
+    progress: bool
+    sched: TruncatedRolloutScheduler = field(init=False)
+    steps: Steps = field(init=False)
+    grader: MathGrader = field(init=False)
+    metrics: MetricsWriter = field(init=False)
+    start: int = 0  # the step the run (re)starts from
+    eval_before: dict[str, Any] | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return self.rd.local
+
+    @property
+    def primary(self) -> bool:  # process 0 writes the run dir's files
+        return mh.is_primary()
+
+
+def setup(cfg: Config, run_dir: str | Path, *, resume: bool, progress: bool,
+          stack: contextlib.ExitStack) -> tuple[Run, TrainState]:
+    """Builds the run; everything that needs closing is closed by ``stack`` (the checkpoint
+    manager first: a failed save's last reports come out before the run's stop message)."""
+    validate(cfg, num_devices=jax.device_count(), num_processes=jax.process_count())
+    enable_compile_cache(cfg.train.compile_cache)
+    rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
+    ckpt = Checkpointer(rd.checkpoints, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
+    try:
+        if ckpt.latest_step() is not None and not resume:
+            raise ConfigError(f"{ckpt.directory} already has checkpoints: pass --resume to "
+                              f"continue the run, or choose a new --run-dir")
+        out = _build(cfg, rd, ckpt, resume, progress, stack)
+    except BaseException:
+        ckpt.close()
+        raise
+    stack.callback(ckpt.close)
+    return out
+
+
+def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: bool,
+           stack: contextlib.ExitStack) -> tuple[Run, TrainState]:
+    rd.local.mkdir(parents=True, exist_ok=True)
+    primary = mh.is_primary()
+    if resume:  # a bucket run's logs, so the resumed run appends to them (other hosts:
+        pull(rd, only=None if primary else RUN_SUBDIR)  # only the warm-start they load)
+    if primary:
+        (rd.local / "config.yaml").write_text(cfg.to_yaml())
+    progress = progress and cfg.logging.progress
+    m, r = cfg.mesh, cfg.rollout
+    mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
+    models = load_models(cfg, rd.local, progress, mesh)
+    train_rows, eval_rows, encode = prompt_rows(cfg, models.tokenizer)
+    pipeline = PromptPipeline(train_rows, batch_size=1, seed=cfg.data.seed,
+                              shard_index=jax.process_index(), shard_count=jax.process_count())
+    run = Run(cfg, rd, mesh, models, eval_rows, encode, pipeline,
+              SamplingParams(r.temperature, r.top_p, r.top_k), decode_shardings(cfg, models, mesh),
+              ckpt, cfg.optim.minibatches * cfg.optim.grad_accum * data_parallel_size(mesh),
+              progress)
+    tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim)
+    tx_v = make_optimizer(cfg.optim.value_lr, cfg.optim)
+    state = TrainState(models.policy, models.value,
+                       commit_to_mesh(tx_p.init(models.policy), mesh),
+                       commit_to_mesh(tx_v.init(models.value), mesh))
+    models.policy = models.value = None  # the params live in TrainState: no second copy
+    run.sched = make_scheduler(run, state)
+    if resume:
+        state = restore(run, state)
+    run.steps = build_steps(run, state, tx_p, tx_v)
+    run.grader = make_grader(cfg)
+    stack.callback(run.grader.close)
+    run.metrics = MetricsWriter(rd.local, tensorboard=cfg.logging.tensorboard,
+                                resume_step=run.start if resume else None)
+    stack.callback(run.metrics.close)
+    return run, state
+
+
+def prompt_rows(cfg: Config, tok: Tokenizer
+                ) -> tuple[list[MathExample], list[MathExample], Callable]:
+    """(train rows, held-out rows, prompt encoder), rows whose prompt does not fit dropped."""
+    r = cfg.rollout
+    train_rows, eval_rows = load_data(cfg)
+    prompter = prompt_builder(cfg, tok)
+    encode = lambda e: prompter.ids(e, tok)  # noqa: E731
+    # A truncated prompt loses its question, so over-long prompts are skipped, not cut.
+    fits = [e for e in train_rows if len(encode(e)) <= r.max_prompt_len]
+    if len(fits) < len(train_rows):
+        log.warning("data: skipped %d of %d prompts longer than rollout.max_prompt_len=%d",
+                    len(train_rows) - len(fits), len(train_rows), r.max_prompt_len)
+    if not fits:
+        raise ConfigError(f"every prompt is longer than rollout.max_prompt_len="
+                          f"{r.max_prompt_len} tokens")
+    eval_rows = [e for e in eval_rows if len(encode(e)) <= r.max_prompt_len] or eval_rows
+    return fits, eval_rows, encode
+
+
+def decode_shardings(cfg: Config, models: Models, mesh: Any) -> Any:
+    """The policy's param shardings in the decode layout (``mesh.decode_layout: decode``),
+    else None: rollout then reads the params as the updates lay them out."""
+    if cfg.mesh.decode_layout != "decode":
+        return None
+    return nnx.to_pure_dict(param_shardings(
+        nnx.state(nnx.merge(models.policy_def, models.policy)), mesh,
+        rules=layout_rules("decode")))
+
+
+def make_scheduler(run: Run, state: TrainState) -> TruncatedRolloutScheduler:
+    r, tok = run.cfg.rollout, run.models.tokenizer
+    prompts = (b[0] for b in run.pipeline)
+    return TruncatedRolloutScheduler(
+        policy_module(run, state), prompts, run.encode, slots=r.slots,
+        group_size=r.group_size, max_prompt_len=r.max_prompt_len,
+        max_response_len=r.max_response_len, window=r.window, eos_ids=tok.eos_ids,
+        sampling=run.sampling, kv_policy=r.kv_policy, seed=run.cfg.train.seed, mesh=run.mesh,
+        kv_cache=r.kv_cache, page_size=r.page_size, num_pages=r.num_pages)
+
+
+def build_steps(run: Run, state: TrainState, tx_p: Any, tx_v: Any) -> Steps:
+    """The jitted steps, with the params' and optimizer states' shardings declared in and out
+    (``state``'s placement), and the compile watch over them."""
+    r, m, mesh = run.cfg.rollout, run.models, run.mesh
+    scfg = StepConfig(algo=run.cfg.algo, optim=run.cfg.optim,
+                      window=min(r.window, r.max_response_len),
+                      temperature=r.temperature if r.temperature > 0 else 1.0)
+    targets_fn = on_mesh(rollout_targets, mesh, m.value_def, state.value, cfg=scfg)
+    policy_fn = on_mesh(policy_update, mesh, m.policy_def, state.policy, state.policy_opt,
+                        tx=tx_p, cfg=scfg)
+    value_fn = on_mesh(value_update, mesh, m.value_def, state.value, state.value_opt,
+                       tx=tx_v, cfg=scfg)
+    watch = CompileWatch({"rollout_targets": targets_fn, "policy_update": policy_fn,
+                          "value_update": value_fn})
+    return Steps(targets_fn, policy_fn, value_fn, watch)
+
+
+def policy_module(run: Run, state: TrainState) -> nnx.Module:
+    """The policy for rollout and eval: the trained params, or (decode layout) a copy moved
+    to the decode shardings by one explicit reshard."""
+    params = state.policy
+    if run.decode_shardings is not None:
+        params = reshard(params, run.decode_shardings)
+    return nnx.merge(run.models.policy_def, params)
+
+
+def checkpoint_trees(run: Run, state: TrainState) -> dict[str, Any]:
+    """Every tree a checkpoint holds, by item name (also the templates a restore reads into)."""
+    return {**state.items(), **run.sched.checkpoint_items()}
+
+
+def checkpoint_meta(run: Run, step: int) -> dict[str, Any]:
+    """Each host's data iterator and scheduler state, gathered (process 0 writes it)."""
+    return {"step": step, "eval_before": run.eval_before, "num_processes": jax.process_count(),
+            "hosts": mh.gather_json({"data_state": run.pipeline.state_json(),
+                                     "scheduler": run.sched.host_state()})}
+
+
+def restore(run: Run, state: TrainState) -> TrainState:
+    """The newest checkpoint whose manifest verifies (damaged ones are reported, set aside):
+    params, optimizer states, data iterator and scheduler; ``state`` when there is none."""
+    restored = run.ckpt.restore_latest(checkpoint_trees(run, state))
+    if restored is None:
+        return state
+    _, trees, meta = restored
+    run.start = int(meta["step"])
+    state = TrainState.from_items(trees, run.start, run.mesh)
+    host = host_meta(meta)
+    run.pipeline.load_state_json(host["data_state"])
+    run.sched.restore(trees, host["scheduler"])
+    run.sched.set_policy(policy_module(run, state), run.sched.policy_version)
+    if "eval_before" in meta:
+        run.eval_before = meta["eval_before"]
+    log.info("resumed from step %d", run.start)
+    return state
+
+
+def host_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """This host's part of a checkpoint's metadata (data iterator and scheduler state)."""
+    if "hosts" not in meta:  # written by a single-host version without per-host state
+        return meta
+    n = int(meta.get("num_processes", len(meta["hosts"])))
+    if n != jax.process_count():
+        raise ConfigError(f"checkpoint at step {meta['step']} was written by {n} processes; "
+                          f"this run has {jax.process_count()} (per-host data and rollout "
+                          f"state cannot be re-split)")
+    return meta["hosts"][jax.process_index()]
+
+
+def heldout_eval(run: Run, state: TrainState) -> dict[str, float]:
+    """Held-out accuracy: avg@k sampled as in training (the headline) and greedy."""
+    cfg, r = run.cfg, run.cfg.rollout
+    kw = dict(max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len)
+    k, tok = cfg.train.eval_samples, run.models.tokenizer
+    sampled = evaluate(policy_module(run, state), tok, run.eval_rows, run.encode, run.grader,
+                       k=k, sampling=run.sampling, seed=cfg.train.seed, mesh=run.mesh, **kw)
+    greedy = evaluate(policy_module(run, state), tok, run.eval_rows, run.encode, run.grader,
+                      mesh=run.mesh, **kw)
+    return {"accuracy": sampled[f"avg@{k}"], "greedy_accuracy": greedy["avg@1"],
+            **sampled, **{f"greedy_{n}": v for n, v in greedy.items()}}
+
+
+def eval_before(run: Run, state: TrainState) -> dict[str, Any]:
+    """The held-out eval before training: from the checkpoint or the run dir on a resume,
+    else run now; written to ``eval_before.json``."""
+    if run.eval_before is None:
+        if run.start:
+            run.eval_before = json.loads((run.run_dir / "eval_before.json").read_text())
+        else:
+            run.eval_before = heldout_eval(run, state)
+    if run.primary:
+        (run.run_dir / "eval_before.json").write_text(json.dumps(run.eval_before))
+    return run.eval_before
+
+
+def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models:
+    """Tiny default: warm-started (the run dir's own copy, else the cache in its parent).
+    HF: loaded from disk. GGUF: converted once to an HF folder (cached in the run dir's
+    parent), then as HF."""
+    if cfg.model.source == "tiny":
+        tok, policy, folder = run_warmstart(cfg, run_dir, progress=progress, mesh=mesh)
+        tok_file = folder / "tokenizer.model"
+    else:
+        from tppo_jax.models.hf import from_pretrained
+
+        path = model_folder(cfg, run_dir.parent)
+        tok_file = next((p for p in (path / "tokenizer.json", path / "tokenizer.model")
+                         if p.exists()), None)
+        if tok_file is None:
+            raise ConfigError(f"model.path {path}: no tokenizer.json or tokenizer.model found")
+        tok = Tokenizer.load(tok_file)
+        policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh,  # straight to shards
+                                 remat=cfg.model.remat)
+        if mh.is_primary():  # the run's checkpoints then restore without model.path
+            record_model(run_dir, path / "config.json", tok_file)
+    if cfg.model.value_init == "path":
+        from tppo_jax.models.hf import from_pretrained
+
+        critic = ValueModel.from_policy(from_pretrained(cfg.model.value_path or "",
+                                                        dtype=cfg.model.dtype, mesh=mesh,
+                                                        remat=cfg.model.remat))
+    elif cfg.model.value_init == "random":
+        critic = ValueModel(policy.config, rngs=nnx.Rngs(cfg.train.seed + 1))
+    else:
+        critic = ValueModel.from_policy(policy, seed=cfg.train.seed)
+    if mesh is not None:  # params carry their named shardings from here on
+        shard_model(policy, mesh)
+        shard_model(critic, mesh)
+    pdef, pstate = nnx.split(policy)
+    vdef, vstate = nnx.split(critic)
+    return Models(tok, pdef, nnx.to_pure_dict(pstate), vdef, nnx.to_pure_dict(vstate), tok_file)
+
+
+def model_folder(cfg: Config, cache_root: Path) -> Path:
+    """The HF folder of ``model.path``: as given, or (``model.source: gguf``) its conversion
+    in ``cache_root`` (process 0 converts; the others wait and read it)."""
+    if cfg.model.source != "gguf":
+        return Path(cfg.model.path or "")
+    from tppo_jax.models.gguf import GGUFError, cached_hf_folder, resolve_model_path
+
+    try:
+        gguf_file = resolve_model_path(cfg.model.path or "")
+        if mh.is_primary():
+            cached_hf_folder(gguf_file, cache_root)
+        mh.barrier("gguf")
+        return cached_hf_folder(gguf_file, cache_root)
+    except GGUFError as e:
+        raise ConfigError(str(e)) from None
+
+
+def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample]]:
+    """(train, held-out) rows; prompts are built from them by ``data/prompts.py``."""
+    d = cfg.data
+    if d.source == "synthetic":
+        task = synthetic_task(cfg)
+        return task.sample(20000, "train"), task.sample(d.eval_size, "test")
+    rows, report = read_examples(d.source, format=d.format, fields=d.fields or None,
+                                 on_bad_row=d.on_bad_row)
+    if report.num_bad:
+        log.warning("data: skipped %d bad rows of %s", report.num_bad, d.source)
+    if len(rows) <= d.eval_size:
+        raise ConfigError(f"data.source {d.source} has {len(rows)} rows; need more than "
+                          f"data.eval_size={d.eval_size}")
+    return rows[:-d.eval_size], rows[-d.eval_size:]
+
+
+def make_grader(cfg: Config) -> MathGrader:
+    """The outcome grader as ``cfg.reward`` configures it (answer format per data format)."""
+    rc = cfg.reward
+    kw = {} if rc.error is None else {"error_reward": rc.error}
+    return MathGrader(num_workers=rc.workers, item_timeout_s=rc.item_timeout_s,
+                      batch_deadline_s=rc.batch_deadline_s,
+                      max_tasks_per_child=rc.max_tasks_per_child,
+                      correct_reward=rc.correct, wrong_reward=rc.wrong,
+                      no_answer_reward=rc.no_answer, crash_retries=rc.crash_retries,
+                      answer_format=answer_format_for(cfg.data.format, rc.answer_format),
+                      mv_timeout_s=rc.verify_timeout_s, **kw)
