@@ -371,9 +371,11 @@ class TPPOEngine(engine_api.Engine):
         ds, ok = self.share_prompt(ds, slots[0], dst, ids)
         return ds, np.concatenate([[True], ok[list(slots[1:])]])
 
-    def free_slots(self, decode_state: DecodeState, slots: Sequence[int] | np.ndarray
+    def free_slots(self, decode_state: DecodeState, slots: Sequence[int] | np.ndarray | Array
                    ) -> DecodeState:
         """Ends the sequences in ``slots`` (ids, or an ``[S]`` mask) and frees their pages."""
+        if isinstance(slots, jax.Array) and slots.dtype == bool:
+            return self._free_fn(decode_state, slots)  # (a global mask stays on device)
         mask = np.asarray(slots)
         if mask.dtype != bool:
             mask = np.isin(np.arange(self._slots), mask)

@@ -151,6 +151,18 @@ class TruncatedRolloutScheduler:
         self._force_prefill = False
         self.pending: deque[int] = deque()
 
+    def _host_rows(self, tree: Any) -> Any:
+        """This host's rows of the engine's ``[B_global, ...]`` outputs. An output XLA chose
+        to replicate (e.g. an all-True ``ok`` of a dense cache) arrives whole: slice it."""
+        lo = jax.process_index() * self.B
+
+        def rows(x: np.ndarray) -> np.ndarray:
+            if x.ndim and x.shape[0] == self.B_global != self.B:
+                return x[lo:lo + self.B]
+            return x
+
+        return jax.tree.map(rows, tree_to_host(tree))
+
     def _put(self, x: np.ndarray) -> jax.Array:
         """Host rows -> a device array (global and batch-sharded when there is a mesh)."""
         return host_to_global(x, self.mesh) if self.mesh is not None else jnp.asarray(x)
@@ -237,7 +249,7 @@ class TruncatedRolloutScheduler:
         pages go back to the pool now)."""
         finished = finished & self.state.live
         self.state.live &= ~finished
-        if finished.any():
+        if finished.any() or jax.process_count() > 1:  # hosts must make the same calls
             self.ds = self.engine.free_slots(self.ds, self._put(finished))
         live_groups = set(self.state.group_id[self.state.live].tolist()) | set(self.pending)
         self.examples = {g: e for g, e in self.examples.items() if g in live_groups}
@@ -261,11 +273,11 @@ class TruncatedRolloutScheduler:
         # Sharing needs the prompt's KV to stay fixed, so not with reprefill.
         if kv_slots.is_paged(self.ds.cache) and self.kv_policy == "keep" and self.G > 1:
             rows &= ~self._share_prompts(new_rows)
-        if not rows.any():
+        if not rows.any() and jax.process_count() == 1:  # hosts must make the same calls
             return
         self.ds, ok = self.engine.prefill_slots(self.params, self.ds, self._put(st.tokens),
                                                 self._put(st.total_len), self._put(rows))
-        if not np.asarray(tree_to_host(ok))[rows].all():
+        if not self._host_rows(ok)[rows].all():
             raise RuntimeError("KV pages ran out during a prefill the admission budget allowed")
 
     def step(self) -> RolloutBatch:
@@ -278,7 +290,7 @@ class TruncatedRolloutScheduler:
         self.ds, out = self.engine.generate_window(
             self.ds, self.params, self.window, budget=self._put(budget),
             first=self._put(st.live & ~new_rows))
-        toks, lps, count, hit_eos, stalled, steps = tree_to_host(
+        toks, lps, count, hit_eos, stalled, steps = self._host_rows(
             (out.tokens, out.logprobs, out.count, out.hit_eos, out.stalled, out.steps))
         active = st.live & ~stalled
         window_start = st.total_len.copy()
