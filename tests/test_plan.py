@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tppo_jax import cli, launch_cli
+from tppo_jax import cli
+from tppo_jax.cli import launch as launch_cli
 from tppo_jax.config import ConfigError, from_dict, load_config
 from tppo_jax.launch import GIB
 from tppo_jax.plan import ARCHITECTURES, Arch, plan_memory, resolve_arch

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tppo_jax.commands import load_run_policy
+from tppo_jax.cli.runs import load_run_policy
 from tppo_jax.config import load_config
 from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.models.tokenizer import train_sentencepiece

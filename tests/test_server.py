@@ -18,7 +18,7 @@ import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
 # isort: split
 from jetstream.core.proto import jetstream_pb2
 
-from tppo_jax.rollout.serve_cli import main
+from tppo_jax.cli import main
 from tppo_jax.rollout.server import validate_request
 
 
@@ -41,7 +41,7 @@ def server(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tppo_jax.rollout.serve_cli", "serve", "--port", "0",
+            [sys.executable, "-m", "tppo_jax.cli", "serve", "--port", "0",
              "--slots", "4"], cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT)
     try:
         port = None

@@ -1,95 +1,15 @@
-"""Subcommands backed by the rest of the package; each imports its module lazily."""
+"""Commands on data and on finished runs: ``tppo data preview | plot | eval | export |
+convert``."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from tppo_jax.cli import add_config_args
-
-
-def _train_args(p: argparse.ArgumentParser) -> None:
-    add_config_args(p)
-    p.add_argument("--run-dir", default=None,
-                   help="output directory (default: runs/<config name>)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest good checkpoint, with the run's own "
-                   "config.yaml (overrides apply on top; --config only matters for a run "
-                   "that has no config.yaml yet)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    d = p.add_argument_group(
-        "multi-host", "start jax.distributed (also from TPPO_COORDINATOR, TPPO_NUM_PROCESSES, "
-        "TPPO_PROCESS_ID, or TPPO_DISTRIBUTED=auto); every process runs the same command")
-    d.add_argument("--distributed", choices=["auto"], default=None,
-                   help="auto: the cluster describes itself (Cloud TPU pods, SLURM)")
-    d.add_argument("--coordinator", default=None, metavar="HOST:PORT",
-                   help="address of process 0")
-    d.add_argument("--num-processes", type=int, default=None)
-    d.add_argument("--process-id", type=int, default=None)
-
-
-def start_distributed(args: argparse.Namespace) -> None:
-    """``jax.distributed.initialize`` from the multi-host flags/environment (before any
-    device is touched); a bad setting is a one-line error."""
-    from tppo_jax.config import ConfigError
-    from tppo_jax.parallel.multihost import initialize
-
-    try:
-        initialize(args.coordinator, args.num_processes, args.process_id,
-                   auto=args.distributed == "auto")
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def setup_logging() -> None:
-    """Our INFO lines (resume, warm-start, checkpoints) on stderr; libraries at WARNING.
-    ``force``: importing Orbax already made absl call ``basicConfig()`` (level WARNING),
-    which silently turned a later ``basicConfig(level=INFO)`` into a no-op."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s",
-                        force=True)
-    logging.getLogger("tppo_jax").setLevel(logging.INFO)
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    from tppo_jax.config import load_config
-    from tppo_jax.train.checkpoint import CheckpointError
-    from tppo_jax.train.loop import TrainingDiverged, nan_updates_from, train
-    from tppo_jax.train.run_config import resume_config
-
-    setup_logging()
-    start_distributed(args)
-    name = Path(args.config).stem if args.config else "default"
-    run_dir = args.run_dir or str(Path("runs") / name)  # str: may be a gs:// URL
-    # A resume is the same run: its own config.yaml, the command line's changes on top.
-    cfg = resume_config(run_dir, args.config, args.overrides) if args.resume else None
-    if cfg is None:
-        cfg = load_config(args.config, args.overrides)
-    # Fault injection for the reliability tests (they run this command in a subprocess):
-    # TPPO_FAULT_NAN_FROM_STEP=N makes every update from step N on see NaN advantages.
-    fault = os.environ.get("TPPO_FAULT_NAN_FROM_STEP")
-    hooks = nan_updates_from(int(fault)) if fault else None
-    try:
-        summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
-                        hooks=hooks)
-    except (TrainingDiverged, CheckpointError) as e:
-        print(f"tppo train: stopped: {e}", file=sys.stderr)
-        return 1
-    if summary["preempted"]:
-        print(f"tppo train: preempted after step {summary['steps']}; checkpoint saved. "
-              f"Continue with: tppo train --run-dir {summary['run_dir']} --resume")
-        return 0
-    b, a = summary["eval_before"], summary["eval_after"]
-    k = cfg.train.eval_samples
-    print(f"held-out accuracy, avg@{k} sampled at T={cfg.rollout.temperature}: "
-          f"{b['accuracy']:.1f}% -> {a['accuracy']:.1f}%; greedy: {b['greedy_accuracy']:.1f}% -> "
-          f"{a['greedy_accuracy']:.1f}%  ({summary['steps']} steps, "
-          f"{summary['train_seconds']:.0f} s, run dir {summary['run_dir']})")
-    return 0
+from tppo_jax.cli.args import add_config_args
 
 
 def _preview_args(p: argparse.ArgumentParser) -> None:
@@ -299,55 +219,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = {"tppo-vs-ppo": "tppo_vs_ppo", "decode": "decode", "intensity": "intensity",
-              "accelerator": "accelerator", "cost-model": "cost_model"}
-
-
-def _available_benchmarks() -> list[str]:
-    import importlib.util
-
-    return sorted(n for n, m in BENCHMARKS.items()
-                  if importlib.util.find_spec(f"tppo_jax.benchmarks.{m}") is not None)
-
-
-def _bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", choices=_available_benchmarks(), help="which benchmark")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    import importlib
-
-    mod = importlib.import_module(f"tppo_jax.benchmarks.{BENCHMARKS[args.name]}")
-    parser = argparse.ArgumentParser(prog=f"tppo bench {args.name}", description=mod.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    mod.add_args(parser)
-    mod.run(parser.parse_args(args.args))
-    return 0
-
-
-def register_all(register: Callable) -> None:
-    register("train", "run T-PPO training (no arguments: the embedded CPU default)",
-             _train_args, cmd_train)
-    register("data", "tppo data preview: samples and the length histogram", _preview_args,
-             cmd_data_preview)
-    register("plot", "PNG charts of one or more runs' metrics", _plot_args, cmd_plot)
-    register("eval", "avg@k / pass@k of a run's policy on the held-out set", _eval_args,
-             cmd_eval)
-    register("export", "export a run's policy as Hugging Face safetensors", _export_args,
-             cmd_export)
-    register("convert", "convert a GGUF checkpoint to a Hugging Face folder", _convert_args,
-             cmd_convert)
-    register("bench", f"benchmarks: {' | '.join(_available_benchmarks())}", _bench_args,
-             cmd_bench)
-    from tppo_jax import launch_cli
-    from tppo_jax.rollout import serve_cli
-
-    launch_cli.register(register)
-    serve_cli.register(register)
-
-
-if __name__ == "__main__":
-    from tppo_jax.cli import main
-
-    sys.exit(main())
+def register(register_fn: Callable) -> None:
+    register_fn("data", "tppo data preview: samples and the length histogram", _preview_args,
+                cmd_data_preview)
+    register_fn("plot", "PNG charts of one or more runs' metrics", _plot_args, cmd_plot)
+    register_fn("eval", "avg@k / pass@k of a run's policy on the held-out set", _eval_args,
+                cmd_eval)
+    register_fn("export", "export a run's policy as Hugging Face safetensors", _export_args,
+                cmd_export)
+    register_fn("convert", "convert a GGUF checkpoint to a Hugging Face folder", _convert_args,
+                cmd_convert)

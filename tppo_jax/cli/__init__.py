@@ -1,5 +1,10 @@
-"""``tppo`` command line. Each subcommand lives in the module that owns the work;
-this file only parses arguments and turns expected errors into one-line messages."""
+"""``tppo`` command line: one ``main``, one subcommand table.
+
+Each command group is one module of this package (``train``, ``runs``: data / plot / eval /
+export / convert, ``serve``: serve / generate, ``launch``: launch / plan, ``bench``), with a
+``register(register_fn)`` that adds its subcommands; they import the layers below lazily so
+``tppo --help`` stays fast. This module parses arguments and turns expected errors into
+one-line messages."""
 
 from __future__ import annotations
 
@@ -7,15 +12,10 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from tppo_jax.cli.args import add_config_args
 from tppo_jax.config import ConfigError, load_config
 
-
-def add_config_args(p: argparse.ArgumentParser) -> None:
-    """``--config FILE`` and ``key=value`` overrides, shared by every config-driven command."""
-    p.add_argument("--config", default=None,
-                   help="YAML file or shipped config name (default: the embedded default)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config overrides, e.g. rollout.window=64 train.steps=10")
+__all__ = ["COMMANDS", "add_config_args", "build_parser", "main", "register"]
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -37,11 +37,16 @@ def register(name: str, help_text: str, add_args: Callable[[argparse.ArgumentPar
 register("config", "print the resolved, validated config", add_config_args, cmd_config)
 
 
-def _register_optional() -> None:
-    """Subcommands whose modules exist; imported lazily so `tppo --help` stays fast."""
-    from tppo_jax import commands
+GROUPS = ("train", "runs", "serve", "launch", "bench")  # tppo_jax.cli.<group>, in help order
 
-    commands.register_all(register)
+
+def _register_optional() -> None:
+    """Every group's subcommands (imported here, not at the top, so the table is built only
+    when ``main`` runs)."""
+    import importlib
+
+    for group in GROUPS:
+        importlib.import_module(f"tppo_jax.cli.{group}").register(register)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,6 +85,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tppo {args.command}: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """``tppo launch`` (run training on a Cloud TPU slice) and ``tppo plan`` (per-chip memory).
 
-Registered from ``commands.register_all`` with ``launch_cli.register(register)``. Modules are
-imported inside the commands so ``tppo --help`` stays fast.
+Registered in the ``tppo`` command table by ``register(register_fn)``. Modules are imported
+inside the commands so ``tppo --help`` stays fast.
 """
 
 from __future__ import annotations

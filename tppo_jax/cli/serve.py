@@ -6,8 +6,7 @@ policy checkpoint (``runs/default``), the latest warm-started policy
 (random weights: gibberish output) with a tokenizer trained on a few
 synthetic lines. ``tppo generate --port P "text"`` streams one completion from a server.
 
-Register with ``serve_cli.register(register_fn)`` (see ``tppo_jax.cli.register``); also
-runnable as ``python -m tppo_jax.rollout.serve_cli serve|generate ...``.
+Registered in the ``tppo`` command table by ``register(register_fn)``.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
             p.name.isdigit() for p in (default_run / "checkpoints").glob("*")):
         run_dir = default_run
     if run_dir is not None:
-        from tppo_jax.commands import load_run_policy
+        from tppo_jax.cli.runs import load_run_policy
 
         _, tok, policy, step, tok_file = load_run_policy(run_dir, None)
         return policy, tok, str(tok_file), f"{run_dir} (policy checkpoint of step {step})"
@@ -184,21 +183,3 @@ def register(register_fn: Callable[..., None]) -> None:
                 _serve_args, cmd_serve)
     register_fn("generate", "stream a completion from a running `tppo serve`",
                 _generate_args, cmd_generate)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tppo")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def add(name: str, help_text: str, add_args: Callable, run: Callable) -> None:
-        p = sub.add_parser(name, help=help_text)
-        add_args(p)
-        p.set_defaults(_run=run)
-
-    register(add)
-    args = parser.parse_args(argv)
-    return int(args._run(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
