@@ -377,6 +377,14 @@ def from_dict(data: dict[str, Any]) -> Config:
 
 def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1) -> None:
     """Cross-field checks; raises ``ConfigError`` naming the conflicting values."""
+    _check_signs(cfg)
+    _check_rollout_and_algo(cfg)
+    _check_data_and_model(cfg)
+    _check_layout(cfg, num_devices, num_processes)
+
+
+def _check_signs(cfg: Config) -> None:
+    """Sizes, rates and counts that must be positive or non-negative."""
     r, a, o = cfg.rollout, cfg.algo, cfg.optim
     positive = {
         "rollout.prompts_per_step": r.prompts_per_step, "rollout.group_size": r.group_size,
@@ -405,6 +413,11 @@ def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1
                  "reward.crash_retries": cfg.reward.crash_retries}.items():
         if v < 0:
             raise ConfigError(f"{k} must be >= 0, got {v}")
+
+
+def _check_rollout_and_algo(cfg: Config) -> None:
+    """Windows vs lengths, clipping and lambda ranges, sampling, batch divisibility."""
+    r, a, o = cfg.rollout, cfg.algo, cfg.optim
     if r.window < r.max_response_len and r.max_response_len % r.window:
         raise ConfigError(
             f"rollout.max_response_len (L={r.max_response_len}) must be a multiple of "
@@ -440,10 +453,13 @@ def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1
             f"slots ({r.slots}) not divisible by optim.minibatches * optim.grad_accum "
             f"({o.minibatches} * {o.grad_accum})"
         )
-    m = cfg.mesh
     if cfg.reward.overlong_buffer > r.max_response_len:
         raise ConfigError(f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) exceeds "
                           f"rollout.max_response_len ({r.max_response_len})")
+
+
+def _check_data_and_model(cfg: Config) -> None:
+    """Task, model source, grader and prompt settings that must agree."""
     if cfg.data.style == "daily" and cfg.data.max_value < cfg.data.max_steps + 2:
         raise ConfigError(f"data.max_value ({cfg.data.max_value}) must be >= data.max_steps + 2 "
                           f"({cfg.data.max_steps + 2}) for daily problems")
@@ -460,6 +476,12 @@ def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1
             f"model.num_heads ({cfg.model.num_heads}) must be a multiple of "
             f"model.num_kv_heads ({cfg.model.num_kv_heads})"
         )
+
+
+def _check_layout(cfg: Config, num_devices: int | None, num_processes: int) -> None:
+    """Slots vs processes and the device mesh."""
+    r = cfg.rollout
+    m = cfg.mesh
     if num_processes > 1:
         if r.kv_cache == "paged":
             raise ConfigError(f"rollout.kv_cache={r.kv_cache!r} is single-host; with "

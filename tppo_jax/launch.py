@@ -199,12 +199,22 @@ def train_argv(spec: LaunchSpec) -> list[str]:
 
 def build_steps(spec: LaunchSpec) -> list[Step]:
     """The launch as ordered steps; see the module docstring."""
-    steps: list[Step] = []
     t = spec.tpu
     if t.hosts > 1 and not spec.resolved_run_dir.startswith("gs://"):
         raise LaunchError(f"{t.name} has {t.hosts} hosts: each writes its own checkpoint "
                           f"shards, so the run dir must be one place they all reach; pass "
                           f"--bucket gs://BUCKET or --run-dir gs://...")
+    steps: list[Step] = []
+    for part in (_create_steps, _install_steps, _train_steps, _results_steps):
+        part(spec, steps)
+    if not spec.keep:
+        steps.append(delete_step(spec))
+    return steps
+
+
+def _create_steps(spec: LaunchSpec, steps: list[Step]) -> None:
+    """Create the TPU (a VM, or a queued resource) and wait until it is up."""
+    t = spec.tpu
     if spec.queued:
         create = ["compute", "tpus", "queued-resources", "create", spec.name,
                   "--node-id", spec.name, "--accelerator-type", t.name,
@@ -232,6 +242,9 @@ def build_steps(spec: LaunchSpec) -> list[Step]:
                                   "--format", "value(state)"),
                           wait_for="READY", fail_states=("PREEMPTED", "TERMINATED", "STOPPED")))
 
+
+def _install_steps(spec: LaunchSpec, steps: list[Step]) -> None:
+    """Get this checkout (or the repo) onto every worker and run the README install."""
     if spec.repo:
         fetch = (f"(test -d {REMOTE_DIR}/.git || git clone {shlex.quote(spec.repo)} {REMOTE_DIR})"
                  f" && cd {REMOTE_DIR}")
@@ -259,6 +272,9 @@ def build_steps(spec: LaunchSpec) -> list[Step]:
                                   f"{spec.name}:{REMOTE_DIR}/{remote_config(spec)}",
                                   "--worker=all")))
 
+
+def _train_steps(spec: LaunchSpec, steps: list[Step]) -> None:
+    """Start ``tppo train`` on every worker and stream worker 0's log until it ends."""
     train = shlex.join(train_argv(spec))
     # setsid + nohup + all fds redirected: the ssh session returns at once and training
     # survives it; run_on_pod.sh writes the pid/rc files the stream step waits on.
@@ -272,6 +288,9 @@ def build_steps(spec: LaunchSpec) -> list[Step]:
     steps.append(Step("stream worker 0's log until training ends (exit = tppo train's)",
                       _ssh(spec, stream, worker="0")))
 
+
+def _results_steps(spec: LaunchSpec, steps: list[Step]) -> None:
+    """Copy the run back (from the bucket, or from worker 0)."""
     run_dir = spec.resolved_run_dir
     local_runs = "runs/"
     if run_dir.startswith("gs://"):
@@ -282,9 +301,6 @@ def build_steps(spec: LaunchSpec) -> list[Step]:
         steps.append(Step("copy results from worker 0",
                           _gcloud(spec, "compute", "tpus", "tpu-vm", "scp", "--recurse",
                                   remote, local_runs, "--worker=0")))
-    if not spec.keep:
-        steps.append(delete_step(spec))
-    return steps
 
 
 def delete_step(spec: LaunchSpec) -> Step:
