@@ -13,7 +13,7 @@ Any jitted callable can be analysed without running it (``lower(...).compile()``
   whose result replaces its operand buffer) are not writes of the whole buffer: XLA inserts an
   explicit ``copy`` of the operand when it cannot update in place, and that copy is reported.
 
-Two XLA accounting facts the callers rely on (checked by ``tests/test_xla_cost.py``):
+Two XLA accounting facts the callers rely on (checked by ``tests/benchmarks/test_xla_cost.py``):
 ``HloCostAnalysis`` counts a ``while`` body once, whatever its trip count, so the cost of a
 jitted window decode is one decode step plus what runs once per window; and it charges a
 ``scatter`` its whole operand and result even when the update happens in place (a

@@ -9,7 +9,7 @@ Layout (matches the paged-attention kernels in `tppo_jax.kernels.paged_attention
   refcount          [num_pages]                      int32, 0 = free
   slot_len          [num_slots]                      int32, tokens stored in the slot
 
-Invariants (property-tested in tests/test_pages.py):
+Invariants (property-tested in tests/rollout/test_pages.py):
   * refcount[p] == number of page_table entries equal to p; a page is free iff refcount == 0;
   * a page with refcount > 0 is never handed out again;
   * slot_len[s] <= (pages held by s) * page_size; a slot's pages are a prefix of its row;

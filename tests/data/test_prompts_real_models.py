@@ -20,7 +20,7 @@ from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.rewards.math import answer_format_for, extract_answer
 from tppo_jax.train.setup import make_grader
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
           "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "

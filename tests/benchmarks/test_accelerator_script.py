@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["--arch", "tiny", "--dtype", "float32", "--batch", "4", "--prompt-len", "8",
         "--new-tokens", "8", "--train-batch", "2", "--train-len", "32"]
 

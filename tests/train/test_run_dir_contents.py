@@ -16,7 +16,7 @@ from tppo_jax.models.tokenizer import train_sentencepiece
 from tppo_jax.train.checkpoint import ITEMS, Checkpointer
 from tppo_jax.train.setup import load_models
 
-FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "qwen2"
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "qwen2"
 
 
 def _hf_run(tmp_path):

@@ -26,7 +26,7 @@ from tppo_jax.rollout.engine import TPPOEngine
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 from tppo_jax.train.evaluate import generate_answers
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
 GREEDY = SamplingParams(greedy=True)
 # Steps whose top-1/top-2 logit margin in transformers is below this are a near tie that may
 # flip between frameworks in float32; comparison of a row stops there.

@@ -8,7 +8,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "quickstart.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "quickstart.ipynb"
 
 
 def test_notebook_is_stored_clean():

@@ -15,7 +15,7 @@ from tppo_jax.models.hf import config_from_hf, from_pretrained, save_pretrained
 from tppo_jax.models.transformer import ModelConfig, Transformer
 from tppo_jax.parallel.mesh import make_mesh
 
-FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
 fwd = nnx.jit(lambda m, t, a: m(t, attention_mask=a))
 
 

@@ -24,7 +24,7 @@ from tppo_jax.rollout.engine import TPPOEngine
 from tppo_jax.rollout.server import EngineServer, PromptAsSentDriver
 from tppo_jax.rollout.tokenizer_adapter import JetStreamTokenizer, encode_request_text
 
-FIXTURE = __import__("pathlib").Path(__file__).parent / "fixtures" / "hf" / "llama"
+FIXTURE = __import__("pathlib").Path(__file__).parents[1] / "fixtures" / "hf" / "llama"
 
 
 def _tokenizer(tmp_path, *, adds_bos: bool) -> Tokenizer:

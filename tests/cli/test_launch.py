@@ -19,7 +19,7 @@ from tppo_jax.launch import (
     run_steps,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def tppo(argv: list[str]) -> int:
