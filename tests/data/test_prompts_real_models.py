@@ -17,7 +17,7 @@ from tppo_jax.data.prompts import BOXED_INSTRUCTION, prompt_builder, render_chat
 from tppo_jax.data.readers import read_examples
 from tppo_jax.models.hf import config_from_hf, from_pretrained
 from tppo_jax.models.tokenizer import Tokenizer
-from tppo_jax.rewards.math import answer_format_for, extract_answer
+from tppo_jax.rewards.grader import answer_format_for, extract_answer
 from tppo_jax.train.setup import make_grader
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tppo_jax.rewards.math import MathGrader
+from tppo_jax.rewards.grader import MathGrader
 
 HANG = r"so \boxed{9^{9^{9^{9^9}}}}"  # sympy would try to build this integer forever
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from tppo_jax.rewards.math import REASONS, MathGrader
+from tppo_jax.rewards.grader import REASONS, MathGrader
 
 # Real ground truths as they appear in GSM8K / MATH / DAPO: integers, fractions, LaTeX.
 GROUND_TRUTHS = [

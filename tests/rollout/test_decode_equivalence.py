@@ -20,11 +20,11 @@ import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
 from jetstream.engine import token_utils
 
 from tppo_jax.data.readers import MathExample
+from tppo_jax.eval.heldout import generate_answers
 from tppo_jax.models.hf import from_pretrained
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.engine import TPPOEngine
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
-from tppo_jax.train.evaluate import generate_answers
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
 GREEDY = SamplingParams(greedy=True)

@@ -138,8 +138,8 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from tppo_jax.data.prompts import prompt_builder
+    from tppo_jax.eval.heldout import evaluate
     from tppo_jax.rollout.decode import SamplingParams
-    from tppo_jax.train.evaluate import evaluate
     from tppo_jax.train.setup import load_data, make_grader
 
     run_dir = Path(args.run_dir)
@@ -166,7 +166,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _show_samples(policy, tok, rows, prompts, grader, sampling, lens) -> None:
     """Prints each row's prompt, one completion, and its grade (``tppo eval --show N``)."""
-    from tppo_jax.train.evaluate import generate_answers
+    from tppo_jax.eval.heldout import generate_answers
 
     responses = generate_answers(policy, tok, [prompts.ids(e, tok) for e in rows],
                                  sampling=sampling, **lens)

@@ -1,6 +1,6 @@
 """Rewards: math-verify outcome grading in a deadline-owning process pool, DAPO length shaping."""
 
-from tppo_jax.rewards.math import (
+from tppo_jax.rewards.grader import (
     REASONS,
     GradeResult,
     MathGrader,

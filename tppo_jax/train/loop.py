@@ -36,7 +36,7 @@ from tqdm import tqdm
 from tppo_jax.config import Config
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.rewards.math import overlong_penalty
+from tppo_jax.rewards.grader import overlong_penalty
 from tppo_jax.rollout.scheduler import RolloutBatch
 from tppo_jax.train.batch import batch_arrays, shuffle_keys, value_rows
 from tppo_jax.train.run_dir import mirror

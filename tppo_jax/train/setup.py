@@ -23,16 +23,16 @@ from tppo_jax.config import Config, ConfigError, validate
 from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.data.prompts import prompt_builder
 from tppo_jax.data.readers import MathExample, read_examples
+from tppo_jax.eval.heldout import evaluate
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.mesh import data_parallel_size, layout_rules, make_mesh, reshard
-from tppo_jax.rewards.math import MathGrader, answer_format_for
+from tppo_jax.rewards.grader import MathGrader, answer_format_for
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 from tppo_jax.train.checkpoint import Checkpointer, record_model
-from tppo_jax.train.evaluate import evaluate
 from tppo_jax.train.metrics import MetricsWriter
 from tppo_jax.train.run_dir import RunDir, pull, resolve_run_dir
 from tppo_jax.train.shapes import CompileWatch, enable_compile_cache

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from tppo_jax.rewards.math import MathGrader, extract_answer, grade_one, overlong_penalty
+from tppo_jax.rewards.grader import MathGrader, extract_answer, grade_one, overlong_penalty
 
 HANG = r"so \boxed{9^{9^{9^{9^9}}}}"  # sympy would try to build this integer forever
 

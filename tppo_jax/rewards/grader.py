@@ -181,7 +181,7 @@ def _context(name: str | None) -> Any:
     ctx = mp.get_context(name)
     if name == "forkserver":
         # Ignored if the forkserver already runs (then it was started by an earlier grader).
-        ctx.set_forkserver_preload(["tppo_jax.rewards.math", "math_verify"])
+        ctx.set_forkserver_preload(["tppo_jax.rewards.grader", "math_verify"])
     return ctx
 
 

@@ -16,7 +16,7 @@ from tppo_jax.data.readers import MathExample
 from tppo_jax.eval.metrics import avg_at_k, pass_at_k_batch
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.rewards.math import MathGrader
+from tppo_jax.rewards.grader import MathGrader
 from tppo_jax.rewards.step_verifier import verify_solution
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.engine import TPPOEngine
