@@ -107,7 +107,7 @@ def decode_section(model, cfg, args) -> dict:
     def fresh():
         ds = eng.sync(eng.init_decode_state(), next_token=toks[:, p - 1], position=lens - 1,
                       generated=jnp.zeros(b, jnp.int32), seq_id=jnp.arange(b, dtype=jnp.uint32),
-                      live=on)
+                      live=jnp.ones(b, bool))  # its own buffer: the state is donated
         return jax.block_until_ready(eng.prefill_slots(params, ds, toks, lens, on)[0])
 
     rest = (params, jnp.full((b,), new, jnp.int32), jnp.zeros(b, bool))
