@@ -1,17 +1,8 @@
 """JSONL / Parquet readers for math datasets, with an explicit bad-row policy.
 
-Every format is reduced to :class:`MathExample` (question + ground-truth final answer as a string).
-Supported shapes:
-
-- ``dapo``: DAPO-Math-17K style rows, ``prompt`` (a string or a chat list of
-  ``{"role", "content"}``) and ``reward_model.ground_truth`` (dotted paths address nested keys).
-- ``gsm8k``: ``question`` + ``answer`` whose last line is ``#### N``.
-- ``math``: MATH / AIME style ``problem`` + ``solution`` containing ``\\boxed{...}``, or an explicit
-  ``answer`` field (preferred when present).
-- ``generic``: ``question`` + ``answer`` (+ optional ``solution``), fully configurable: every
-  field may be renamed (any key, dotted paths for nested keys) through ``fields``.
-- ``mathqa`` / ``svamp`` / ``asdiv``: see :mod:`tppo_jax.data.formats` (every row format
-  lives there; this module reads files and applies the bad-row policy).
+Every row format (DAPO, GSM8K, MATH, MathQA, SVAMP, ASDiv, generic) is parsed by
+:mod:`tppo_jax.data.formats` into a :class:`MathExample`; this module reads the files and applies
+the bad-row policy.
 
 A malformed row raises :class:`DataError` naming the file, the line (JSONL, 1-based) or row index
 (Parquet, 0-based) and the problem; with ``on_bad_row="skip"`` it is logged and listed in the
