@@ -21,6 +21,22 @@ from tppo_jax.rewards.step_verifier import verify_solution
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.engine import TPPOEngine
 
+_ENGINES: dict[tuple, TPPOEngine] = {}
+
+
+def _engine(model: nnx.Module, tok: Tokenizer, batch_size: int, max_len: int,
+            sampling: SamplingParams, mesh) -> TPPOEngine:
+    """One engine per model shape and decode setting, reused by every eval of a run: its
+    jitted window is then compiled once, not again at each held-out evaluation (weights and
+    seed are per call)."""
+    key = (repr(model.config), batch_size, max_len, sampling, tuple(tok.eos_ids), mesh)
+    if key not in _ENGINES:
+        _ENGINES[key] = TPPOEngine(model, tok, max_slots=batch_size, max_target_length=max_len,
+                                   kv_cache="dense", max_prefill_length=16, sampling=sampling,
+                                   mesh=mesh)
+        _ENGINES[key].drop_initial_params()  # each eval passes its own weights
+    return _ENGINES[key]
+
 
 def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[int]], *,
                      max_prompt_len: int, max_response_len: int, sampling: SamplingParams,
@@ -36,8 +52,7 @@ def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[i
     local_bs = mh.local_count(batch_size)
     n_batches = -(-int(mh.max_over_hosts({"n": len(prompts)})["n"]) // local_bs)
     put = (lambda x: mh.host_to_global(x, mesh)) if mesh is not None else jnp.asarray
-    engine = TPPOEngine(model, tok, max_slots=batch_size, max_target_length=s, kv_cache="dense",
-                        max_prefill_length=16, sampling=sampling, seed=seed, mesh=mesh)
+    engine = _engine(model, tok, batch_size, s, sampling, mesh)
     params = engine.load_params(model)
     out: list[list[int]] = []
     for b in range(n_batches):
@@ -53,7 +68,8 @@ def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[i
             lens[i] = len(ids)
         # Row ids seed the sampling streams: globally unique across batches and hosts.
         row_ids = b * local_bs * hosts + me * local_bs + np.arange(local_bs)
-        ds = engine.sync(engine.init_decode_state(), next_token=put(tokens[:, 0]),
+        ds = engine.init_decode_state().replace(rng=jax.random.PRNGKey(seed))
+        ds = engine.sync(ds, next_token=put(tokens[:, 0]),
                          position=put(lens - 1), generated=put(np.zeros(local_bs, np.int32)),
                          seq_id=put(row_ids.astype(np.uint32)), live=put(np.ones(local_bs, bool)))
         ds, _ = engine.prefill_slots(params, ds, put(tokens), put(lens),

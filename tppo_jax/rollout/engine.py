@@ -239,6 +239,11 @@ class TPPOEngine(engine_api.Engine):
         self.version = self.version + 1 if version is None else int(version)
         return EngineParams(state=state, version=jnp.int32(self.version))
 
+    def drop_initial_params(self) -> None:
+        """Forgets the weights the engine was built with (``load_params()`` with no argument
+        then fails): a long-lived engine that is always given weights pins no stale copy."""
+        self._init_state = None
+
     def init_decode_state(self, *args: Any, **kwargs: Any) -> DecodeState:
         s = self._slots
         cache = kv_slots.new_cache(self.config, s, self.max_target_length, kind=self.kv_cache,
