@@ -129,7 +129,7 @@ def test_kill9_resume_and_sigterm_match_uninterrupted(tmp_path):
     assert f"resumed from step {last - 1}" in full.stderr
     stop = full.stderr.strip().splitlines()[-1]
     assert stop.startswith(f"tppo train: stopped: could not write the checkpoint of step "
-                           f"{last}") and f"step {last - 1} is intact" in stop, stop
+                           f"{last}") and f"step {last - 1} is intact" in stop, full.stderr[-3000:]
     assert (c / "checkpoints" / f"{last}.damaged").is_dir()
     assert not [p for p in (c / "checkpoints").iterdir() if p.name.startswith(f"{last}.orbax")]
 

@@ -101,6 +101,12 @@ class Checkpointer:
         except Exception as e:  # Orbax wraps OSError (ENOSPC, EFBIG, EACCES) in its own types
             # Orbax raises at the first failed write while its other writer threads run on:
             # let them end before deleting their folder (and before the process exits).
+            # Writes still in flight fail later with the same cause and report it again,
+            # after the run's stop line: from a thread (it outlived the wait below) or from
+            # asyncio ("Task exception was never retrieved", when the task is collected,
+            # often at exit). Drop those repeats: the stop line stays the last line.
+            threading.excepthook = _ignore_failed_writes(threading.excepthook)
+            _ASYNCIO.addFilter(_REPEATS)
             for t in set(threading.enumerate()) - threads:
                 with contextlib.suppress(Exception):  # Orbax's threads re-raise in join()
                     t.join(timeout=_THREAD_WAIT_S)
@@ -243,8 +249,20 @@ class _QuietOrbaxTracebacks(logging.Filter):
                     and f"{os.sep}orbax{os.sep}" in record.pathname)
 
 
+class _RepeatedWriteFailures(logging.Filter):
+    """Drops records whose exception (or message) is a failed write: after a failed save,
+    the writes still in flight report the cause ``save`` already raised."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not ((exc is not None and _is_write_failure(exc))
+                    or "os_error_code=" in record.getMessage())
+
+
 _ABSL = logging.getLogger("absl")  # Orbax logs through absl, which logs to this logger
 _QUIET = _QuietOrbaxTracebacks()
+_ASYNCIO = logging.getLogger("asyncio")  # where an unawaited task's exception is logged
+_REPEATS = _RepeatedWriteFailures()
 
 
 _THREAD_WAIT_S = 60.0  # how long a failed save waits for Orbax's other writer threads
@@ -253,14 +271,38 @@ _THREAD_WAIT_S = 60.0  # how long a failed save waits for Orbax's other writer t
 def _ignore_closed_loops(previous):
     """An unraisable-exception hook that drops ``RuntimeError: Event loop is closed`` (a
     TensorStore write finishing after Orbax gave up on the save, calling back into its
-    closed event loop) and passes everything else on."""
+    closed event loop) and repeats of a failed write, and passes everything else on."""
     def hook(unraisable) -> None:
         exc = unraisable.exc_value
         if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
             return
+        if exc is not None and _is_write_failure(exc):
+            return
         previous(unraisable)
 
     return hook
+
+
+def _ignore_failed_writes(previous):
+    """A ``threading.excepthook`` that drops a thread's failed write (an ``OSError`` or
+    TensorStore's ``[os_error_code=...]`` message, already reported by ``save``) and passes
+    everything else on."""
+    def hook(args: threading.ExceptHookArgs) -> None:
+        exc = args.exc_value
+        if exc is not None and _is_write_failure(exc):
+            return
+        previous(args)
+
+    return hook
+
+
+def _is_write_failure(e: BaseException) -> bool:
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError) or "os_error_code=" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _write_cause(e: BaseException) -> str:
