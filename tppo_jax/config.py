@@ -194,6 +194,10 @@ class TrainConfig:
     warmstart_steps: int = 800  # supervised steps on the teacher corpus (tiny model)
     warmstart_lr: float = 3e-3
     warmstart_batch: int = 32
+    # The teacher corpus's noise: solutions with one wrong step / with "The answer is N."
+    # instead of \boxed{N}. The warm-started policy samples both habits; RL removes them.
+    warmstart_wrong_step_frac: float = 0.2
+    warmstart_no_format_frac: float = 0.1
     # jax's persistent compilation cache ("" = off): a rerun loads its executables from here
     compile_cache: str = "~/.cache/tppo-jax/xla"
 
@@ -433,7 +437,9 @@ def _check_rollout_and_algo(cfg: Config) -> None:
     if a.dual_clip_c is not None and a.dual_clip_c <= 1:
         raise ConfigError(f"algo.dual_clip_c must be > 1 (or null), got {a.dual_clip_c}")
     for k, v in {"algo.gamma": a.gamma, "algo.lam_policy": a.lam_policy,
-                 "algo.lam_critic": a.lam_critic, "algo.lam_min": a.lam_min}.items():
+                 "algo.lam_critic": a.lam_critic, "algo.lam_min": a.lam_min,
+                 "train.warmstart_wrong_step_frac": cfg.train.warmstart_wrong_step_frac,
+                 "train.warmstart_no_format_frac": cfg.train.warmstart_no_format_frac}.items():
         if not 0.0 <= v <= 1.0:
             raise ConfigError(f"{k} must be in [0, 1], got {v}")
     if not 0.0 < r.top_p <= 1.0:

@@ -48,6 +48,7 @@ def test_parse_override_nested():
         ("algo.loss_aggregation=mean", "algo.loss_aggregation: 'mean' is not one of"),
         ("mesh.decode_layout=tp", "mesh.decode_layout: 'tp' is not one of"),
         ("algo.gamma=1.5", "algo.gamma must be in [0, 1]"),
+        ("train.warmstart_no_format_frac=1.2", "train.warmstart_no_format_frac must be in [0, 1]"),
         ("rollout.group_size=2.5", "rollout.group_size: expected an integer"),
         ("optim.minibatches=3", "not divisible by optim.minibatches"),
         ("rollout.max_response_len=1024", "exceeds model.max_seq_len"),

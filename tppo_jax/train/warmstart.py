@@ -37,8 +37,6 @@ log = logging.getLogger(__name__)
 
 RUN_SUBDIR = "warmstart"  # the run directory's own copy of its warm-start
 
-TEACHER_WRONG_STEP_FRAC = 0.2
-TEACHER_NO_FORMAT_FRAC = 0.6
 TEACHER_SIZE = 20000
 
 
@@ -53,8 +51,9 @@ def warmstart_key(cfg: Config) -> str:
     blob = json.dumps({"model": asdict(cfg.model), "data": asdict(cfg.data),
                        "train": [cfg.train.warmstart_steps, cfg.train.warmstart_lr,
                                  cfg.train.warmstart_batch],
-                       "teacher": [TEACHER_WRONG_STEP_FRAC, TEACHER_NO_FORMAT_FRAC,
-                                   TEACHER_SIZE], "v": 3}, sort_keys=True)
+                       "teacher": [cfg.train.warmstart_wrong_step_frac,
+                                   cfg.train.warmstart_no_format_frac, TEACHER_SIZE], "v": 3},
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -172,7 +171,8 @@ def _train(cfg: Config, cache: Path, progress: bool) -> None:
     log.info("warm-start: training the tokenizer and %d SFT steps into %s",
              cfg.train.warmstart_steps, cache)
     task = synthetic_task(cfg)
-    texts = task.teacher_corpus(TEACHER_SIZE, TEACHER_WRONG_STEP_FRAC, TEACHER_NO_FORMAT_FRAC)
+    texts = task.teacher_corpus(TEACHER_SIZE, cfg.train.warmstart_wrong_step_frac,
+                                cfg.train.warmstart_no_format_frac)
     tok = train_sentencepiece(texts, cache / "tokenizer", vocab_size=128)
     seq_len = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     ids, mask = encode_corpus(tok, texts, seq_len)
