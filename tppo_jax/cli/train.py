@@ -75,19 +75,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         summary = train(cfg, run_dir, resume=args.resume, progress=not args.no_progress,
                         hooks=hooks)
-    except TrainingDiverged as e:
+    except (TrainingDiverged, CheckpointError) as e:
         print(f"tppo train: stopped: {e}", file=sys.stderr)
+        if isinstance(e, CheckpointError):
+            # After a failed write, Orbax writes still in flight can report the same cause
+            # again while the interpreter exits (a writer thread ending, asyncio collecting
+            # its task): exit now, so the stop line stays the last line and nothing writes
+            # into the discarded step.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         return 1
-    except CheckpointError as e:
-        print(f"tppo train: stopped: {e}", file=sys.stderr)
-        # After a failed write, Orbax writes still in flight can report the same cause
-        # again while the interpreter exits (a writer thread ending, asyncio collecting its
-        # task): exit now, so the stop line stays the last line and nothing writes into
-        # the discarded step.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
     if summary["preempted"]:
         print(f"tppo train: preempted after step {summary['steps']}; checkpoint saved. "
               f"Continue with: tppo train --run-dir {summary['run_dir']} --resume")

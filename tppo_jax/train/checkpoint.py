@@ -105,8 +105,7 @@ class Checkpointer:
             # after the run's stop line: from a thread (it outlived the wait below) or from
             # asyncio ("Task exception was never retrieved", when the task is collected,
             # often at exit). Drop those repeats: the stop line stays the last line.
-            threading.excepthook = _ignore_failed_writes(threading.excepthook)
-            _ASYNCIO.addFilter(_REPEATS)
+            _drop_repeated_write_failures()
             for t in set(threading.enumerate()) - threads:
                 with contextlib.suppress(Exception):  # Orbax's threads re-raise in join()
                     t.join(timeout=_THREAD_WAIT_S)
@@ -283,6 +282,15 @@ def _ignore_closed_loops(previous):
     return hook
 
 
+def _drop_repeated_write_failures() -> None:
+    """Installs (once per process) the asyncio log filter and the thread exception hook
+    that drop repeats of a failed write."""
+    if _REPEATS in _ASYNCIO.filters:
+        return
+    _ASYNCIO.addFilter(_REPEATS)
+    threading.excepthook = _ignore_failed_writes(threading.excepthook)
+
+
 def _ignore_failed_writes(previous):
     """A ``threading.excepthook`` that drops a thread's failed write (an ``OSError`` or
     TensorStore's ``[os_error_code=...]`` message, already reported by ``save``) and passes
@@ -297,17 +305,18 @@ def _ignore_failed_writes(previous):
 
 
 def _is_write_failure(e: BaseException) -> bool:
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, OSError) or "os_error_code=" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return _os_cause(e) is not None
 
 
 def _write_cause(e: BaseException) -> str:
     """The operating system's reason for a failed write (``No space left on device, errno
-    28``), found in the exception chain or in TensorStore's message; else the message."""
+    28``), else the message."""
+    return _os_cause(e) or _one_line(e)
+
+
+def _os_cause(e: BaseException) -> str | None:
+    """The operating system's reason for a failed write, found in the exception chain (an
+    ``OSError``) or in TensorStore's message (``[os_error_code='27']``); None without one."""
     seen: BaseException | None = e
     while seen is not None:
         if isinstance(seen, OSError) and seen.strerror:
@@ -316,7 +325,7 @@ def _write_cause(e: BaseException) -> str:
         if m:
             return f"{m.group(1).strip()}, errno {m.group(2)}"
         seen = seen.__cause__ or seen.__context__
-    return _one_line(e)
+    return None
 
 
 def _one_line(e: BaseException) -> str:
