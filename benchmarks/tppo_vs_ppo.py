@@ -12,6 +12,9 @@ and the matching PNG (held-out accuracy vs training wall-clock).
 
     tppo bench tppo-vs-ppo --seeds 3 --target 60 --budget-s 600
     tppo bench tppo-vs-ppo --config longtail --seeds 3 --target 30 --budget-s 1800
+
+``--seed S --method M`` trains just that run (e.g. the two methods of a seed side by side, one
+core each); ``--summarize-only`` then builds the JSON and PNG from all the run dirs.
 """
 
 from __future__ import annotations
@@ -82,7 +85,6 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def run(args: argparse.Namespace) -> dict:
     from tppo_jax.config import load_config
-    from tppo_jax.train.loop import train
 
     out_dir = Path(args.out)
     name = _out_name(args.config)
@@ -92,22 +94,19 @@ def run(args: argparse.Namespace) -> dict:
                      "L": L, "window": base.rollout.window, "slots": base.rollout.slots,
                      "seeds": {}}
     runs = out_dir / "runs" / ("" if name == "tppo_vs_ppo" else Path(args.config).stem)
+    only = (args.seed is not None or args.method is not None) and not args.summarize_only
     for seed in range(args.seeds):
+        if only:  # train the selected run(s); the summary waits for --summarize-only
+            for method in (METHODS if args.method is None else [args.method]):
+                if args.seed in (None, seed):
+                    _train_run(args, L, seed, method, runs / f"{method}-seed{seed}")
+            continue
         per = {}
-        for method, extra in METHODS.items():
-            overrides = [f"train.seed={seed}", f"train.eval_every={args.eval_every}",
-                         f"train.target_accuracy={args.target}",
-                         f"train.time_budget_s={args.budget_s}", f"train.steps={args.max_steps}",
-                         *[e.format(L=L) for e in extra], *args.overrides]
-            cfg = load_config(args.config, overrides)
+        for method in METHODS:
             run_dir = runs / f"{method}-seed{seed}"
             if not args.summarize_only:  # else: re-read the run dirs of an earlier run
-                if run_dir.exists():
-                    import shutil
-
-                    shutil.rmtree(run_dir)
-                train(cfg, run_dir, progress=not args.no_progress)
-            per[method] = summarize_run(run_dir, args.target, cfg.rollout.slots)
+                _train_run(args, L, seed, method, run_dir)
+            per[method] = summarize_run(run_dir, args.target, base.rollout.slots)
         t, p = per["tppo"]["time_to_target_s"], per["ppo"]["time_to_target_s"]
         per["speedup"] = _ratio(p, t)
         per["throughput_ratio"] = _ratio(per["tppo"]["finished_per_s"],
@@ -115,6 +114,12 @@ def run(args: argparse.Namespace) -> dict:
         results["seeds"][str(seed)] = per
         print(f"seed {seed}: T-PPO {t} s, PPO {p} s, speedup {per['speedup']}, "
               f"throughput ratio {per['throughput_ratio']}")
+    if only:
+        print(f"trained {args.method or 'both methods'} for seed "
+              f"{'all' if args.seed is None else args.seed}; once every run is done: "
+              f"tppo bench tppo-vs-ppo --config {args.config} --seeds {args.seeds} "
+              f"--target T --summarize-only")
+        return results
     results["median"] = _medians(results["seeds"])
     results["lengths"] = _length_report(runs, load_config(args.config))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -122,6 +127,23 @@ def run(args: argparse.Namespace) -> dict:
     _plot(results, out_dir / f"{name}.png")
     print(json.dumps(results["median"], indent=2))
     return results
+
+
+def _train_run(args: argparse.Namespace, L: int, seed: int, method: str, run_dir: Path) -> None:
+    """One (method, seed) run from scratch (its old run dir removed), to target or budget."""
+    import shutil
+
+    from tppo_jax.config import load_config
+    from tppo_jax.train.loop import train
+
+    overrides = [f"train.seed={seed}", f"train.eval_every={args.eval_every}",
+                 f"train.target_accuracy={args.target}", f"train.time_budget_s={args.budget_s}",
+                 f"train.steps={args.max_steps}", *[e.format(L=L) for e in METHODS[method]],
+                 *args.overrides]
+    cfg = load_config(args.config, overrides)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    train(cfg, run_dir, progress=not args.no_progress)
 
 
 def _medians(seeds: dict) -> dict:
@@ -201,6 +223,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--out", default="results")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=None,
+                   help="train only this seed's runs (then --summarize-only)")
+    p.add_argument("--method", choices=list(METHODS), default=None,
+                   help="train only this method's runs (then --summarize-only)")
     p.add_argument("--summarize-only", action="store_true",
                    help="rebuild the JSON and PNG from the run dirs of an earlier run")
     p.add_argument("overrides", nargs="*", metavar="key=value")

@@ -194,6 +194,10 @@ class TrainConfig:
     warmstart_steps: int = 800  # supervised steps on the teacher corpus (tiny model)
     warmstart_lr: float = 3e-3
     warmstart_batch: int = 32
+    # "by_length": each batch draws its rows from one length bucket (32 tokens wide), so a
+    # long-tailed corpus is not padded to its longest row every step; every row is still
+    # drawn with the same probability as under "random".
+    warmstart_batching: Literal["random", "by_length"] = "random"
     # The teacher corpus's noise: solutions with one wrong step / with "The answer is N."
     # instead of \boxed{N}. The warm-started policy samples both habits; RL removes them.
     warmstart_wrong_step_frac: float = 0.2

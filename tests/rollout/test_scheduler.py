@@ -166,3 +166,30 @@ def test_restored_scheduler_continues_exactly(cache):
         np.testing.assert_array_equal(ra.sample_logprobs, rc.sample_logprobs)
         a.release_finished(ra.finished)
         c.release_finished(rc.finished)
+
+
+@pytest.mark.parametrize("kv", ["keep", "reprefill"])
+def test_prefill_runs_over_the_columns_it_needs(kv):
+    """Structure: a prefill's token columns are the longest prefilled row's width bucket, not
+    the whole prompt + L buffer (new prompts of a keep run: one 32-column bucket here)."""
+    from tppo_jax.buckets import bucket_width
+
+    s = _scheduler(window=8, L=96, kv=kv)
+    widths, needed = [], []
+    real = s.engine.prefill_slots
+
+    def recording(params, ds, tokens, lengths, rows):
+        widths.append(tokens.shape[1])
+        needed.append(int(np.asarray(lengths)[np.asarray(rows)].max()))
+        return real(params, ds, tokens, lengths, rows)
+
+    s.engine.prefill_slots = recording
+    for _ in range(6):
+        rb = s.step()
+        s.release_finished(rb.finished)
+    assert s.state.tokens.shape[1] == 12 + 96 and widths
+    assert widths == [bucket_width(n, 108) for n in needed]
+    if kv == "keep":
+        assert set(widths) == {32}
+    else:  # continuations are re-prefilled over their grown context
+        assert max(widths) > 32

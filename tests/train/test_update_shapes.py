@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tppo_jax.buckets import bucket_width, width_buckets
 from tppo_jax.config import AlgoConfig, OptimConfig
 from tppo_jax.models.transformer import ModelConfig, create_model
-from tppo_jax.train.shapes import CompileWatch, bucket_rows, bucket_width, width_buckets
+from tppo_jax.train.shapes import CompileWatch, bucket_rows
 from tppo_jax.train.step import StepConfig, make_optimizer, policy_update
 
 

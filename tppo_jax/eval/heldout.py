@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from tppo_jax.buckets import bucket_width
 from tppo_jax.data.readers import MathExample
 from tppo_jax.eval.metrics import avg_at_k, pass_at_k_batch
 from tppo_jax.models.tokenizer import Tokenizer
@@ -72,7 +73,10 @@ def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[i
         ds = engine.sync(ds, next_token=put(tokens[:, 0]),
                          position=put(lens - 1), generated=put(np.zeros(local_bs, np.int32)),
                          seq_id=put(row_ids.astype(np.uint32)), live=put(np.ones(local_bs, bool)))
-        ds, _ = engine.prefill_slots(params, ds, put(tokens), put(lens),
+        # Prompt columns only (a width every host agrees on): the prefill need not run
+        # over the response part of the buffer.
+        width = bucket_width(max_prompt_len, s)
+        ds, _ = engine.prefill_slots(params, ds, put(tokens[:, :width]), put(lens),
                                      put(np.ones(local_bs, bool)))
         _, res = engine.generate_window(ds, params, max_response_len)
         toks, count = mh.tree_to_host((res.tokens, res.count))

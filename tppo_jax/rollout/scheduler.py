@@ -26,8 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, serialization
 
+from tppo_jax.buckets import bucket_width
 from tppo_jax.data.readers import MathExample
-from tppo_jax.parallel.multihost import check_batch_layout, host_to_global, tree_to_host
+from tppo_jax.parallel.multihost import (
+    check_batch_layout,
+    host_to_global,
+    max_over_hosts,
+    tree_to_host,
+)
 from tppo_jax.rollout import kv_slots
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.engine import TPPOEngine
@@ -182,8 +188,7 @@ class TruncatedRolloutScheduler:
             return done
         src = np.zeros(self.B, bool)
         src[[rows[0] for rows in groups.values()]] = True
-        self.ds, ok = self.engine.prefill_slots(self.params, self.ds, self._put(st.tokens),
-                                                self._put(st.total_len), self._put(src))
+        self.ds, ok = self._prefill_rows(src)
         src &= np.asarray(ok)
         done |= src
         for rows in groups.values():
@@ -275,10 +280,20 @@ class TruncatedRolloutScheduler:
             rows &= ~self._share_prompts(new_rows)
         if not rows.any() and jax.process_count() == 1:  # hosts must make the same calls
             return
-        self.ds, ok = self.engine.prefill_slots(self.params, self.ds, self._put(st.tokens),
-                                                self._put(st.total_len), self._put(rows))
+        self.ds, ok = self._prefill_rows(rows)
         if not self._host_rows(ok)[rows].all():
             raise RuntimeError("KV pages ran out during a prefill the admission budget allowed")
+
+    def _prefill_rows(self, rows: np.ndarray) -> tuple[Any, jax.Array]:
+        """Prefills ``rows`` over the columns they need, not the whole buffer: the longest
+        selected row (over all hosts: every host must run the same shape) rounded up to a
+        width bucket. New prompts of a ``keep`` run then cost ``[B, ~64]``, not ``[B, P+L]``,
+        a forward pass that otherwise ran every window."""
+        st = self.state
+        longest = int(st.total_len[rows].max()) if rows.any() else 1
+        width = bucket_width(int(max_over_hosts({"len": longest})["len"]), st.tokens.shape[1])
+        return self.engine.prefill_slots(self.params, self.ds, self._put(st.tokens[:, :width]),
+                                         self._put(st.total_len), self._put(rows))
 
     def step(self) -> RolloutBatch:
         st = self.state

@@ -8,10 +8,11 @@ import math
 import jax
 import numpy as np
 
+from tppo_jax.buckets import bucket_width
 from tppo_jax.config import Config
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.rollout.scheduler import RolloutBatch
-from tppo_jax.train.shapes import bucket_rows, bucket_width
+from tppo_jax.train.shapes import bucket_rows
 
 
 def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh,
@@ -21,7 +22,7 @@ def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh
     every host's rows when there are several processes).
 
     Columns are cut to the longest row (over all hosts) rounded up to a width bucket
-    (``shapes.bucket_width``): the updates then cost what the batch needs, not the full
+    (``buckets.bucket_width``): the updates then cost what the batch needs, not the full
     buffer, and only a handful of widths ever compile. ``shuffle`` (``[B, epochs]`` random
     keys) orders the rows of each epoch's minibatches.
     """

@@ -27,7 +27,7 @@ FROZEN_KEYS = (
     "rollout.prompts_per_step", "rollout.group_size", "rollout.max_prompt_len",
     "rollout.max_response_len", "rollout.window", "rollout.kv_policy", "rollout.kv_cache",
     "rollout.page_size", "rollout.num_pages", "train.seed", "train.warmstart_steps",
-    "train.warmstart_lr", "train.warmstart_batch",
+    "train.warmstart_lr", "train.warmstart_batch", "train.warmstart_batching",
 )
 MUTABLE_IN_FROZEN = ("data.on_bad_row",)
 

@@ -28,24 +28,6 @@ _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
 _BACKEND_EVENT = _COMPILE_EVENTS[-1]
 
 
-def width_buckets(cap: int, base: int = 32) -> list[int]:
-    """The column widths a batch may have: ``base * 2^k`` below ``cap``, then ``cap``.
-
-    Powers of two keep the count logarithmic in ``cap`` (6 for a 576-token buffer, against 18
-    multiples of 32); a batch pays at most twice its width, cheaper than a compile per
-    width on CPU where one compile of the three update functions costs tens of steps."""
-    out, w = [], base
-    while w < cap:
-        out.append(w)
-        w *= 2
-    return [*out, cap]
-
-
-def bucket_width(n: int, cap: int, base: int = 32) -> int:
-    """The smallest width bucket holding ``n`` columns (``cap`` at most)."""
-    return next(w for w in width_buckets(cap, base) if w >= min(n, cap))
-
-
 def bucket_rows(need: int, total: int, unit: int, levels: int = 3) -> int:
     """The smallest of ``total, total/2, ..., total/2^(levels-1)`` that holds ``need`` rows
     and is a multiple of ``unit`` (minibatches x micro-batches x data-parallel ways, so the

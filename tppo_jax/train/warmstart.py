@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 RUN_SUBDIR = "warmstart"  # the run directory's own copy of its warm-start
 
 TEACHER_SIZE = 20000
+WIDTH_BUCKET = 32  # SFT batches are padded to a multiple of this many tokens
 
 
 def synthetic_task(cfg: Config) -> SyntheticMathTask:
@@ -48,9 +49,13 @@ def synthetic_task(cfg: Config) -> SyntheticMathTask:
 
 
 def warmstart_key(cfg: Config) -> str:
+    t = cfg.train
+    # The batching joins the key only when it is not the original "random", so the caches
+    # (and README's keys) of configs that predate it stay valid.
+    batching = [] if t.warmstart_batching == "random" else [t.warmstart_batching]
     blob = json.dumps({"model": asdict(cfg.model), "data": asdict(cfg.data),
-                       "train": [cfg.train.warmstart_steps, cfg.train.warmstart_lr,
-                                 cfg.train.warmstart_batch],
+                       "train": [t.warmstart_steps, t.warmstart_lr, t.warmstart_batch,
+                                 *batching],
                        "teacher": [cfg.train.warmstart_wrong_step_frac,
                                    cfg.train.warmstart_no_format_frac, TEACHER_SIZE], "v": 3},
                       sort_keys=True)
@@ -78,6 +83,23 @@ def encode_corpus(tok: Tokenizer, texts: list[str], seq_len: int) -> tuple[np.nd
         ids[i, :len(row)] = row
         mask[i, n_prompt:len(row)] = 1.0  # train on the solution (and its EOS) only
     return ids, mask
+
+
+def batch_rows(rng: np.random.Generator, lengths: np.ndarray, bs: int, *,
+               by_length: bool) -> np.ndarray:
+    """``bs`` row indices into a corpus of ``lengths`` ``[N]`` (tokens per row).
+
+    ``by_length``: pick one ``WIDTH_BUCKET``-wide length bucket with probability proportional
+    to its row count, then ``bs`` rows uniformly inside it. Each row's chance per draw stays
+    ``1/N`` (as with uniform draws), but a batch's rows share a padded width: on long-tailed
+    lengths a batch costs its bucket's width, not the corpus tail's.
+    """
+    if not by_length:
+        return rng.integers(0, len(lengths), size=bs)
+    bucket = np.asarray(lengths) // WIDTH_BUCKET
+    rows = rng.integers(0, len(bucket))  # a bucket chosen in proportion to its size
+    members = np.flatnonzero(bucket == bucket[rows])
+    return members[rng.integers(0, len(members), size=bs)]
 
 
 @nnx.jit
@@ -186,12 +208,13 @@ def _train(cfg: Config, cache: Path, progress: bool) -> None:
     bar = tqdm(range(cfg.train.warmstart_steps), desc="warm-start (SFT)", disable=not progress,
                dynamic_ncols=True)
     loss = float("nan")
+    lengths = (ids != 0).sum(axis=1)
     for i in bar:
-        idx = rng.integers(0, len(ids), size=bs)
+        idx = batch_rows(rng, lengths, bs, by_length=cfg.train.warmstart_batching == "by_length")
         # Trim the batch to its longest row: most rows are short (long-tailed lengths).
         # Bucketed to multiples of 32 so only a few shapes ever compile.
-        width = int((ids[idx] != 0).sum(axis=1).max()) + 1
-        width = min(ids.shape[1], -(-width // 32) * 32)
+        width = int(lengths[idx].max()) + 1
+        width = min(ids.shape[1], -(-width // WIDTH_BUCKET) * WIDTH_BUCKET)
         loss = _sft_step(model, opt, jnp.asarray(ids[idx, :width]),
                          jnp.asarray(mask[idx, :width]))
         if i % 20 == 0:
