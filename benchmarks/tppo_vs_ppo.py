@@ -2,7 +2,9 @@
 
 Each (method, seed) run trains until held-out accuracy (avg@k sampled) reaches ``--target``
 (percent) or ``--budget-s`` seconds of training wall-clock pass (held-out evals excluded from
-the clock). Both methods start from the same warm-started policy. Writes
+the clock), evaluated every ``--eval-every`` steps and/or ``--eval-every-s`` seconds of
+training (the same time grid for both methods, whose steps differ in length). Both methods
+start from the same warm-started policy. Writes
 ``results/tppo_vs_ppo.json`` for the default config, ``results/tppo_vs_ppo_<config>.json``
 otherwise (per seed and median: ``time_to_target_s`` per method and ``speedup``; rollout
 throughput as finished samples and useful -- finished -- tokens per second of rollout, and
@@ -137,6 +139,7 @@ def _train_run(args: argparse.Namespace, L: int, seed: int, method: str, run_dir
     from tppo_jax.train.loop import train
 
     overrides = [f"train.seed={seed}", f"train.eval_every={args.eval_every}",
+                 f"train.eval_every_s={args.eval_every_s}",
                  f"train.target_accuracy={args.target}", f"train.time_budget_s={args.budget_s}",
                  f"train.steps={args.max_steps}", *[e.format(L=L) for e in METHODS[method]],
                  *args.overrides]
@@ -220,6 +223,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="held-out accuracy target (avg@k sampled, %%)")
     p.add_argument("--budget-s", type=float, default=600.0, help="per-run training budget")
     p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--eval-every-s", type=float, default=0.0,
+                   help="also evaluate every this many seconds of training (one time grid for "
+                        "both methods, whose steps differ in length)")
     p.add_argument("--max-steps", type=int, default=1000)
     p.add_argument("--out", default="results")
     p.add_argument("--no-progress", action="store_true")

@@ -187,9 +187,12 @@ class TrainConfig:
     steps: int = 60
     seed: int = 0
     eval_every: int = 0  # 0 = only before and after
+    # Also evaluate once this many seconds of training wall-clock have passed since the last
+    # eval (0 = off): the same time grid for methods whose steps differ in length.
+    eval_every_s: float = 0.0
     eval_samples: int = 4  # held-out avg@k: k samples per question at rollout.temperature
     target_accuracy: float | None = None  # stop once held-out avg@1 (percent) reaches it
-    time_budget_s: float | None = None  # stop after this much training wall-clock
+    time_budget_s: float | None = None  # stop after this much training wall-clock (no evals)
     max_skipped_updates: int = 3  # consecutive non-finite updates before the run stops
     warmstart_steps: int = 800  # supervised steps on the teacher corpus (tiny model)
     warmstart_lr: float = 3e-3
@@ -417,6 +420,7 @@ def _check_signs(cfg: Config) -> None:
                  "algo.critic_warmup_steps": a.critic_warmup_steps,
                  "rollout.num_pages": r.num_pages, "rollout.top_k": r.top_k,
                  "train.eval_every": cfg.train.eval_every,
+                 "train.eval_every_s": cfg.train.eval_every_s,
                  "logging.samples_per_step": cfg.logging.samples_per_step,
                  "reward.crash_retries": cfg.reward.crash_retries}.items():
         if v < 0:

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from tppo_jax.config import Config
+from tppo_jax.config import Config, TrainConfig
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.rewards.grader import overlong_penalty
@@ -120,6 +120,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress: b
         # Wall-clock of training steps only (held-out evals excluded), continued on resume.
         train_time = float(run.metrics.last.get("train_time_s", 0.0))
         skipped_in_a_row, preempted = 0, False
+        last_eval = train_time  # training wall-clock at the last held-out eval
         stopper = stack.enter_context(_StopOnSignal())
         watch = stack.enter_context(run.steps.watch)
         for step in bar:
@@ -130,8 +131,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress: b
             row = log_step(run, state, roll, upd, train_time)
             train_time += time.time() - roll.t0
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", fin=int(row["finished"]))
-            target_hit = maybe_evaluate(run, state)
-            preempted, time_up = stop_flags(run, stopper, t_start)
+            target_hit, last_eval = maybe_evaluate(run, state, train_time, last_eval)
+            preempted, time_up = stop_flags(run, stopper, train_time)
             stop = target_hit or time_up
             maybe_checkpoint(run, state, last=state.step == cfg.train.steps or stop or preempted)
             if preempted:
@@ -306,24 +307,35 @@ def log_step(run: Run, state: TrainState, roll: Rollout, upd: Update,
     return row
 
 
-def maybe_evaluate(run: Run, state: TrainState) -> bool:
-    """The held-out eval every ``train.eval_every`` steps; True when it reaches
-    ``train.target_accuracy``."""
+def eval_due(tc: TrainConfig, step: int, train_time: float, last_eval: float) -> bool:
+    """Whether a held-out eval follows ``step``: every ``eval_every`` steps, or once
+    ``eval_every_s`` seconds of training wall-clock passed since the last one."""
+    by_steps = bool(tc.eval_every) and step % tc.eval_every == 0
+    return by_steps or (tc.eval_every_s > 0 and train_time - last_eval >= tc.eval_every_s)
+
+
+def maybe_evaluate(run: Run, state: TrainState, train_time: float, last_eval: float
+                   ) -> tuple[bool, float]:
+    """The held-out eval when ``eval_due``. Returns (it reached ``train.target_accuracy``,
+    the training wall-clock of the last eval)."""
     tc = run.cfg.train
-    if not (tc.eval_every and state.step % tc.eval_every == 0):
-        return False
+    # Every host decides on the primary's clock: the hosts must run the eval together.
+    due = mh.max_over_hosts({"due": run.primary and eval_due(tc, state.step, train_time,
+                                                             last_eval)})["due"]
+    if not due:
+        return False, last_eval
     res = heldout_eval(run, state)  # identical on every host
     run.metrics.write(state.step, {f"eval_{k}": v for k, v in res.items()})
-    return tc.target_accuracy is not None and res["accuracy"] >= tc.target_accuracy
+    return tc.target_accuracy is not None and res["accuracy"] >= tc.target_accuracy, train_time
 
 
-def stop_flags(run: Run, stopper: _StopOnSignal, t_start: float) -> tuple[bool, bool]:
-    """(preempted, time budget spent). Clocks and signals differ per host: stop when any
-    host says so, all together."""
+def stop_flags(run: Run, stopper: _StopOnSignal, train_time: float) -> tuple[bool, bool]:
+    """(preempted, time budget spent). The budget counts training wall-clock, held-out evals
+    excluded. Clocks and signals differ per host: stop when any host says so, all together."""
     budget = run.cfg.train.time_budget_s
     flags = mh.max_over_hosts({
         "preempted": stopper.requested,
-        "time_up": budget is not None and time.time() - t_start >= budget})
+        "time_up": budget is not None and train_time >= budget})
     return bool(flags["preempted"]), bool(flags["time_up"])
 
 
