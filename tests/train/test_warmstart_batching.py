@@ -46,3 +46,29 @@ def test_batching_joins_the_warmstart_key_only_when_not_random():
         "default", ["train.warmstart_batching=random"]))
     assert warmstart_key(base) != warmstart_key(load_config(
         "default", ["train.warmstart_batching=by_length"]))
+
+
+def test_corpus_rows_start_with_the_prompt_ids_a_rollout_sees(tmp_path):
+    """The daily task's text encodes "A: day" with the space merged into "_day", while the
+    prompt alone ends in a lone "_": every row must still start with the prompt's own ids
+    (what a rollout continues from), with the loss on the whole solution after them."""
+    from tppo_jax.data.prompts import SHORT_ANSWER_CUE
+    from tppo_jax.data.synthetic import SyntheticMathTask
+    from tppo_jax.models.tokenizer import train_sentencepiece
+    from tppo_jax.train.warmstart import encode_corpus
+
+    task = SyntheticMathTask(seed=0, difficulty=2.0, max_operand=3, max_value=40,
+                             max_steps=8, style="daily")
+    texts = task.teacher_corpus(400)
+    tok = train_sentencepiece(texts, tmp_path / "tok")
+    ids, mask = encode_corpus(tok, texts, 256)
+    merged = 0
+    for t, row, m in zip(texts, ids, mask, strict=True):
+        prompt, cue, solution = t.partition(SHORT_ANSWER_CUE)
+        head = tok.encode(prompt + cue)
+        merged += tok.encode(t)[:len(head)] != head
+        n = int((row != 0).sum())
+        assert row[:len(head)].tolist() == head
+        assert row[n - 1] == tok.eos_id and m[:len(head)].sum() == 0 and m[len(head):n].all()
+        assert tok.decode(row[len(head):n - 1].tolist()) == solution
+    assert merged > 0  # the case the rows guard against does occur on this task

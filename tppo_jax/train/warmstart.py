@@ -76,12 +76,18 @@ def encode_corpus(tok: Tokenizer, texts: list[str], seq_len: int) -> tuple[np.nd
     ids = np.zeros((len(texts), seq_len), np.int32)
     mask = np.zeros((len(texts), seq_len), np.float32)
     for i, t in enumerate(texts):
-        prompt, _, _ = t.partition(SHORT_ANSWER_CUE)
-        n_prompt = len(tok.encode(prompt + SHORT_ANSWER_CUE))
-        row = tok.encode(t) + [tok.eos_id]
-        row = row[:seq_len]
+        prompt, cue, solution = t.partition(SHORT_ANSWER_CUE)
+        head = tok.encode(prompt + cue)  # the ids a rollout's prompt has
+        row = tok.encode(t)
+        # Train on what the policy will continue from. Where the text's own encoding merges
+        # the cue's trailing space into the solution's first piece ("A:", "_day"), the
+        # prompt as encoded alone ends in a lone "_" that the model would never have seen
+        # followed by a solution; then the solution is encoded on its own after it.
+        if row[:len(head)] != head:
+            row = head + tok.encode(solution)
+        row = (row + [tok.eos_id])[:seq_len]
         ids[i, :len(row)] = row
-        mask[i, n_prompt:len(row)] = 1.0  # train on the solution (and its EOS) only
+        mask[i, len(head):len(row)] = 1.0  # train on the solution (and its EOS) only
     return ids, mask
 
 
