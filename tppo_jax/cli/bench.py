@@ -6,7 +6,8 @@ import argparse
 from collections.abc import Callable
 
 BENCHMARKS = {"tppo-vs-ppo": "tppo_vs_ppo", "decode": "decode", "intensity": "intensity",
-              "accelerator": "accelerator", "cost-model": "cost_model"}
+              "accelerator": "accelerator", "cost-model": "cost_model",
+              "prefill-width": "prefill_width"}
 
 
 def _available_benchmarks() -> list[str]:
