@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 
-def _scheduler(cfg, tok, model, task, examples, window: int, full_width: bool):
+def _scheduler(cfg, tok, model, examples, encode, window: int, full_width: bool):
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 
@@ -37,7 +37,6 @@ def _scheduler(cfg, tok, model, task, examples, window: int, full_width: bool):
 
     r = cfg.rollout
     cls = FullWidth if full_width else TruncatedRolloutScheduler
-    encode = lambda e: tok.encode(task.prompt(e))  # noqa: E731
     return cls(model, itertools.cycle(examples), encode, slots=r.slots,
                group_size=r.group_size, max_prompt_len=r.max_prompt_len,
                max_response_len=r.max_response_len, window=window, eos_ids=tok.eos_ids,
@@ -60,21 +59,21 @@ def _time(sched, warmup: int, steps: int) -> tuple[list[float], list[np.ndarray]
 
 def run(args: argparse.Namespace) -> dict:
     from tppo_jax.config import load_config
-    from tppo_jax.train.warmstart import synthetic_task, warmstart
+    from tppo_jax.train.setup import prompt_rows
+    from tppo_jax.train.warmstart import warmstart
 
     cfg = load_config(args.config, args.overrides)
     stem = Path(args.config).stem
     runs = Path(args.out) / "runs" / ("" if stem == "default" else stem)  # as tppo-vs-ppo
     tok, model, _ = warmstart(cfg, runs, progress=not args.no_progress)
-    task = synthetic_task(cfg)
-    examples = task.sample(512)
+    examples, _, encode = prompt_rows(cfg, tok)  # the trainer's rows and prompt encoder
     L = cfg.rollout.max_response_len
     out: dict = {"config": args.config, "slots": cfg.rollout.slots, "L": L,
                  "buffer": cfg.rollout.max_prompt_len + L, "steps": args.steps, "methods": {}}
     for name, window in (("tppo", cfg.rollout.window), ("ppo", L)):
         res, toks = {}, {}
         for mode in ("full_width", "bucketed"):
-            sched = _scheduler(cfg, tok, model, task, examples, window, mode == "full_width")
+            sched = _scheduler(cfg, tok, model, examples, encode, window, mode == "full_width")
             times, toks[mode] = _time(sched, args.warmup, args.steps)
             res[mode] = {"rollout_s_median": statistics.median(times),
                          "rollout_s_total": sum(times)}

@@ -96,13 +96,18 @@ def run(args: argparse.Namespace) -> dict:
                      "L": L, "window": base.rollout.window, "slots": base.rollout.slots,
                      "seeds": {}}
     runs = out_dir / "runs" / ("" if name == "tppo_vs_ppo" else Path(args.config).stem)
-    only = (args.seed is not None or args.method is not None) and not args.summarize_only
-    for seed in range(args.seeds):
-        if only:  # train the selected run(s); the summary waits for --summarize-only
+    if (args.seed is not None or args.method is not None) and not args.summarize_only:
+        # Just the selected run(s); the summary waits for --summarize-only.
+        seeds = range(args.seeds) if args.seed is None else [args.seed]
+        for seed in seeds:
             for method in (METHODS if args.method is None else [args.method]):
-                if args.seed in (None, seed):
-                    _train_run(args, L, seed, method, runs / f"{method}-seed{seed}")
-            continue
+                _train_run(args, L, seed, method, runs / f"{method}-seed{seed}")
+        print(f"trained {args.method or 'both methods'} for seed "
+              f"{'all' if args.seed is None else args.seed}; once every run is done: "
+              f"tppo bench tppo-vs-ppo --config {args.config} --seeds {args.seeds} "
+              f"--target T --summarize-only")
+        return results
+    for seed in range(args.seeds):
         per = {}
         for method in METHODS:
             run_dir = runs / f"{method}-seed{seed}"
@@ -116,12 +121,6 @@ def run(args: argparse.Namespace) -> dict:
         results["seeds"][str(seed)] = per
         print(f"seed {seed}: T-PPO {t} s, PPO {p} s, speedup {per['speedup']}, "
               f"throughput ratio {per['throughput_ratio']}")
-    if only:
-        print(f"trained {args.method or 'both methods'} for seed "
-              f"{'all' if args.seed is None else args.seed}; once every run is done: "
-              f"tppo bench tppo-vs-ppo --config {args.config} --seeds {args.seeds} "
-              f"--target T --summarize-only")
-        return results
     results["median"] = _medians(results["seeds"])
     results["lengths"] = _length_report(runs, load_config(args.config))
     out_dir.mkdir(parents=True, exist_ok=True)

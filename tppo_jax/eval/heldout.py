@@ -55,13 +55,16 @@ def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[i
     put = (lambda x: mh.host_to_global(x, mesh)) if mesh is not None else jnp.asarray
     engine = _engine(model, tok, batch_size, s, sampling, mesh)
     params = engine.load_params(model)
+    # The prefill runs over the prompt columns only (a width every host agrees on), not over
+    # the response part of the cache's buffer.
+    width = bucket_width(max_prompt_len, s)
     out: list[list[int]] = []
     for b in range(n_batches):
         lo = b * local_bs
         chunk = list(prompts[lo:lo + local_bs]) or [prompts[-1] if prompts else [0]]
         n = max(0, min(len(prompts) - lo, local_bs))  # real rows (a host may run out)
         chunk += [chunk[-1]] * (local_bs - len(chunk))  # fixed batch shape: no recompiles
-        tokens = np.zeros((local_bs, s), np.int32)
+        tokens = np.zeros((local_bs, width), np.int32)
         lens = np.zeros(local_bs, np.int32)
         for i, ids in enumerate(chunk):
             ids = ids[-max_prompt_len:]
@@ -73,10 +76,7 @@ def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[i
         ds = engine.sync(ds, next_token=put(tokens[:, 0]),
                          position=put(lens - 1), generated=put(np.zeros(local_bs, np.int32)),
                          seq_id=put(row_ids.astype(np.uint32)), live=put(np.ones(local_bs, bool)))
-        # Prompt columns only (a width every host agrees on): the prefill need not run
-        # over the response part of the buffer.
-        width = bucket_width(max_prompt_len, s)
-        ds, _ = engine.prefill_slots(params, ds, put(tokens[:, :width]), put(lens),
+        ds, _ = engine.prefill_slots(params, ds, put(tokens), put(lens),
                                      put(np.ones(local_bs, bool)))
         _, res = engine.generate_window(ds, params, max_response_len)
         toks, count = mh.tree_to_host((res.tokens, res.count))
