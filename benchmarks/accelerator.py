@@ -5,7 +5,7 @@ A random Qwen2-shaped model (``--arch qwen2-0.5b``: Qwen2.5-0.5B sizes, bf16) at
   (``TPPOEngine``'s window: the decode core's ``lax.while_loop`` over a dense KV cache), the
   decode state donated; the engine's batched prefill timed apart.
   Roofline = bytes a step must read (all weights + the live KV cache) / peak HBM bandwidth;
-- train: one jitted ``policy_update`` and one ``value_update`` (forward + backward + AdamW) on
+- train: one optimizer step of the policy and of the value update (forward + backward + AdamW) on
   ``--train-batch`` x ``--train-len`` tokens; MFU = 6 * params * tokens/s / peak bf16 FLOP/s;
 - XLA proxies (``xla_cost``; the same numbers on any backend, so CPU runs check them): the
   compiled decode's bytes per step vs weights + KV and the cache-sized buffers it writes per
@@ -139,8 +139,12 @@ def decode_section(model, cfg, args) -> dict:
 
 
 def compile_train_step(model, kind: str, batch_size: int, seq: int):
-    """``policy_update`` or ``value_update`` of ``model`` compiled for a random batch:
-    ``(compiled, (params, opt_state, batch), n_params)``; the call donates params/opt."""
+    """One optimizer step of the policy or value update of ``model`` (the whole batch one
+    minibatch and one row group: gradient, then the guarded AdamW step) compiled for a
+    random batch: ``(compiled, (params, opt_state, batch), n_params)``; the call donates
+    params/opt."""
+    from functools import partial
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -148,7 +152,13 @@ def compile_train_step(model, kind: str, batch_size: int, seq: int):
     from tppo_jax.benchmarks import xla_cost
 
     from tppo_jax.config import AlgoConfig, OptimConfig
-    from tppo_jax.train.step import StepConfig, make_optimizer, policy_update, value_update
+    from tppo_jax.train.step import (
+        StepConfig,
+        make_optimizer,
+        policy_group_loss,
+        value_group_loss,
+    )
+    from tppo_jax.train.update import apply_step, group_grads, minibatch_denoms, row_counts
 
     gd, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
@@ -160,19 +170,26 @@ def compile_train_step(model, kind: str, batch_size: int, seq: int):
     batch = {"tokens": jnp.asarray(rng.integers(4, model.config.vocab_size, (batch_size, seq)),
                                    jnp.int32), "attn": jnp.ones((batch_size, seq), bool)}
     if kind == "policy":
-        step = policy_update
+        loss = policy_group_loss
         batch |= {"sample_logprobs": -2.0 * ones, "advantages": ones, "policy_mask": ones,
                   "positive_mask": 0.0 * ones}
     else:
-        step = value_update
+        loss = value_group_loss
         batch |= {"values_old": 0.0 * ones, "returns": ones, "value_mask": ones}
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt, batch):
+        d = minibatch_denoms(row_counts(batch, kind=kind), jnp.ones((batch_size,)))
+        stats, grads = group_grads(partial(loss, gd, cfg=scfg), params, batch, d)
+        return apply_step(params, opt, grads, stats, d, tx=tx, kind=kind)
+
     opt = tx.init(params)
-    compiled = xla_cost.compile_fn(step, (gd, params, opt, batch), {"tx": tx, "cfg": scfg})
+    compiled = xla_cost.compile_fn(step, (params, opt, batch))
     return compiled, (params, opt, batch), n_params
 
 
 def train_section(model, kind: str, args) -> dict:
-    """Compiles, analyses and times one ``policy_update`` or ``value_update``."""
+    """Compiles, analyses and times one policy or value optimizer step."""
     import jax
     from tppo_jax.benchmarks import xla_cost
 

@@ -96,8 +96,12 @@ def measure(run_dir: Path, slots: int) -> dict:
         decode_steps = r["tokens"] / max(r["occupancy"] * slots, 1e-9)
         t_step.append(r["time_rollout_s"] / max(decode_steps, 1.0))
         w = r["update_width"]
-        policy = slots * w if "pg_loss" in r else 0
-        t_upd.append(r["time_update_s"] / (policy + slots * w / 3 + r["value_rows"] * w))
+        # Token cells the updates ran over: the row groups' (this trainer) or, in runs that
+        # predate them, every row at the batch width. The critic's targets forward pass
+        # (forward only, ~1/3 of forward + backward) runs at the batch width.
+        policy = r.get("policy_cells", slots * w) if "pg_loss" in r else 0
+        value = r.get("value_cells", r["value_rows"] * w)
+        t_upd.append(r["time_update_s"] / (policy + slots * w / 3 + value))
         if r.get("finished"):
             t_grade.append(r["time_grading_s"] / r["finished"])
     return {"t_step": statistics.median(t_step), "t_kv": 0.0,

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 
-def _scheduler(cfg, tok, model, examples, encode, window: int, full_width: bool):
+def make_scheduler(cfg, tok, model, examples, encode, window: int, full_width: bool = False):
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> dict:
     for name, window in (("tppo", cfg.rollout.window), ("ppo", L)):
         res, toks = {}, {}
         for mode in ("full_width", "bucketed"):
-            sched = _scheduler(cfg, tok, model, examples, encode, window, mode == "full_width")
+            sched = make_scheduler(cfg, tok, model, examples, encode, window, mode == "full_width")
             times, toks[mode] = _time(sched, args.warmup, args.steps)
             res[mode] = {"rollout_s_median": statistics.median(times),
                          "rollout_s_total": sum(times)}

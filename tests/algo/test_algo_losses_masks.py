@@ -9,6 +9,7 @@ from hypothesis import given, settings
 
 from tppo_jax.algo import (
     aggregate,
+    explained_variance,
     masked_clip,
     masked_whiten,
     nll_loss,
@@ -122,7 +123,11 @@ def test_value_loss_perfect_critic_explains_all_variance():
     g = jnp.array([[1.0, 0.0, 1.0]])
     loss, stats = value_loss(g, g, g, jnp.ones((1, 3)))
     assert float(loss) == 0.0
-    assert float(stats["explained_variance"]) == pytest.approx(1.0)
+    assert float(explained_variance(g, g, jnp.ones((1, 3)))) == pytest.approx(1.0)
+    # V = mean(G): no better than the mean; returns without spread: 0.
+    assert float(explained_variance(jnp.full((1, 3), 2 / 3), g, jnp.ones((1, 3)))) == \
+        pytest.approx(0.0, abs=1e-6)
+    assert float(explained_variance(g, jnp.ones((1, 3)), jnp.ones((1, 3)))) == 0.0
 
 
 def test_nll_zero_when_no_positive_examples():
@@ -159,3 +164,19 @@ def test_losses_under_jit():
     f = jax.jit(lambda *a: policy_loss(*a)[0])
     assert float(f(lp, lpo, adv, m)) == pytest.approx(float(policy_loss(lp, lpo, adv, m)[0]),
                                                      rel=1e-5)
+
+
+def test_aggregates_over_parts_add_up_with_the_whole_denominator():
+    """Split a batch's rows into parts: with the whole batch's count as ``denom`` the parts'
+    losses sum to the whole's (what lets a minibatch run as row groups of different widths)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(6, 5)), jnp.float32)
+    m = jnp.asarray(rng.random((6, 5)) < 0.6, jnp.float32).at[2].set(0.0)
+    parts = (slice(0, 2), slice(2, 5), slice(5, 6))
+    for mode, denom in (("token", m.sum()), ("sample", (m.sum(1) > 0).sum())):
+        whole = aggregate(x, m, mode=mode)
+        summed = sum(aggregate(x[p], m[p], mode=mode, denom=denom) for p in parts)
+        assert float(summed) == pytest.approx(float(whole), rel=1e-6)
+    # Hand value, token mode: two rows, 3 masked tokens in all; part 1 holds one of them.
+    assert float(aggregate(jnp.array([[6.0, 1.0]]), jnp.array([[1.0, 0.0]]),
+                           denom=jnp.array(3.0))) == 2.0

@@ -15,14 +15,8 @@ from tppo_jax.config import AlgoConfig, OptimConfig
 from tppo_jax.models.transformer import ModelConfig, create_model, param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel.mesh import batch_sharding, make_mesh
-from tppo_jax.train.step import (
-    StepConfig,
-    make_optimizer,
-    on_mesh,
-    policy_update,
-    rollout_targets,
-    value_update,
-)
+from tppo_jax.train.step import StepConfig, make_optimizer, rollout_targets, targets_on_mesh
+from tppo_jax.train.update import make_updater
 
 B, P, W = 8, 4, 8
 S = P + W
@@ -64,22 +58,22 @@ def _run(mesh):
     tx_p, tx_v = make_optimizer(1e-3, optim), make_optimizer(1e-3, optim)
     op, ov = tx_p.init(pp), tx_v.init(vp)
     targets_fn = partial(rollout_targets, vdef, cfg=scfg)
-    pol_fn = partial(policy_update, pdef, tx=tx_p, cfg=scfg)
-    val_fn = partial(value_update, vdef, tx=tx_v, cfg=scfg)
+    pol_fn = make_updater("policy", pdef, tx=tx_p, cfg=scfg)
+    val_fn = make_updater("value", vdef, tx=tx_v, cfg=scfg)
     if mesh is not None:  # the trainer's path: shardings declared in and out
-        targets_fn = on_mesh(rollout_targets, mesh, vdef, vp, cfg=scfg)
-        pol_fn = on_mesh(policy_update, mesh, pdef, pp, op, tx=tx_p, cfg=scfg)
-        val_fn = on_mesh(value_update, mesh, vdef, vp, ov, tx=tx_v, cfg=scfg)
+        targets_fn = targets_on_mesh(mesh, vdef, vp, scfg)
+        pol_fn = make_updater("policy", pdef, tx=tx_p, cfg=scfg, mesh=mesh, params=pp,
+                              opt_state=op)
+        val_fn = make_updater("value", vdef, tx=tx_v, cfg=scfg, mesh=mesh, params=vp,
+                              opt_state=ov)
     placed = jax.tree.map(lambda x: x.sharding, (pp, vp))
     targets = targets_fn(vp, batch)
     full = {**batch, **targets}
-    pp, _, pstats = pol_fn(pp, op, full)
-    # The critic on a row subset, gathered from the sharded batch (finished rows first).
-    rows = np.argsort(~np.asarray(jax.device_get(batch["finished"])), kind="stable")
-    rows = jnp.asarray(rows.astype(np.int32))
-    if mesh is not None:
-        rows = jax.device_put(rows, batch_sharding(mesh, 1, rows.shape))
-    vp, _, vstats = val_fn(vp, ov, {**full, "value_rows": rows})
+    lengths = np.asarray(jax.device_get(batch["attn"])).sum(1)
+    pp, _, pstats = pol_fn(pp, op, full, lengths=lengths)
+    # The critic on the finished rows only, gathered from the sharded batch.
+    rows = np.flatnonzero(np.asarray(jax.device_get(batch["finished"])))
+    vp, _, vstats = val_fn(vp, ov, full, lengths=lengths, rows=rows)
     if mesh is not None:  # updated params come back exactly where they were
         assert jax.tree.map(lambda x: x.sharding, (pp, vp)) == placed
     return jax.device_get((pp, vp, pstats, vstats, targets["advantages"])), pp

@@ -9,7 +9,8 @@ from flax import nnx
 from tppo_jax import algo
 from tppo_jax.config import AlgoConfig, OptimConfig
 from tppo_jax.models.transformer import ModelConfig, create_model
-from tppo_jax.train.step import StepConfig, compute_targets, make_optimizer, policy_update
+from tppo_jax.train.step import StepConfig, compute_targets, make_optimizer
+from tppo_jax.train.update import policy_update
 
 
 def _batch(b=4, p=3, n=6, seed=0):

@@ -13,14 +13,14 @@ from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.train.batch import shuffle_keys
 from tppo_jax.train.step import (
     StepConfig,
-    _epoch_order,
     compute_targets,
     lr_schedule,
     make_optimizer,
     policy_token_logprobs,
-    policy_update,
     updates_per_step,
 )
+from tppo_jax.train.update import policy_update
+from tppo_jax.train.update_plan import plan_update
 
 B, S = 8, 10
 
@@ -126,10 +126,10 @@ def test_positive_example_mask_uses_the_graders_verdict():
 
 
 def test_minibatches_are_shuffled_per_epoch_reproducibly():
-    x = jnp.arange(4)
-    order = _epoch_order({"x": x, "shuffle": jnp.array([[0.3, 0.0], [0.1, 0.1], [0.2, 0.2],
-                                                        [0.0, 0.3]])}, 0)
-    assert order.keys() == {"x"} and list(np.asarray(order["x"])) == [3, 1, 2, 0]
+    keys = np.array([[0.3, 0.0], [0.1, 0.1], [0.2, 0.2], [0.0, 0.3]])
+    plan = plan_update(np.full(4, 5), minibatches=2, epochs=2, grad_accum=1, unit=1, cap=32,
+                       shuffle=keys)
+    assert [list(g.rows) for mb in plan for g in mb.groups] == [[3, 1], [2, 0], [0, 1], [2, 3]]
     cfg = load_config("default", ["optim.epochs=2"])
     k = shuffle_keys(cfg, 7, 32)
     assert k.shape == (32, 2) and np.array_equal(k, shuffle_keys(cfg, 7, 32))  # exact resume

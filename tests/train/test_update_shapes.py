@@ -1,16 +1,22 @@
-"""Static shapes for the update: bucketed widths and rows bound the compiles; CompileWatch
-counts them (structure only; speed is measured in README, not asserted)."""
+"""Static shapes for the update: bucketed widths and row groups bound the compiles;
+CompileWatch counts them; a minibatch's row groups give the step of the whole minibatch
+(structure and exactness only; speed is measured in README, not asserted)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 from flax import nnx
 
 from tppo_jax.buckets import bucket_width, width_buckets
 from tppo_jax.config import AlgoConfig, OptimConfig
 from tppo_jax.models.transformer import ModelConfig, create_model
-from tppo_jax.train.shapes import CompileWatch, bucket_rows
-from tppo_jax.train.step import StepConfig, make_optimizer, policy_update
+from tppo_jax.models.value import ValueModel
+from tppo_jax.train.shapes import CompileWatch
+from tppo_jax.train.step import StepConfig, make_optimizer
+from tppo_jax.train.update import make_updater, plan_cells, policy_update, value_update
+from tppo_jax.train.update_plan import group_rows, plan_update
 
 
 def test_width_and_row_buckets():
@@ -21,25 +27,100 @@ def test_width_and_row_buckets():
     for n in range(1, 577):  # a batch never pays more than twice its width (past 32)
         w = bucket_width(n, 576)
         assert n <= w and (w <= 32 or w < 2 * n)
-    assert [bucket_rows(k, 32, 2) for k in (1, 3, 5, 9, 17, 32)] == [8, 8, 8, 16, 32, 32]
-    assert bucket_rows(1, 32, 2, levels=5) == 2 and bucket_rows(3, 24, 2) == 6
-    assert bucket_rows(1, 32, 16) == 16
-    assert bucket_rows(1, 12, 4) == 12  # 6 rows would not split into 4 parts
+    assert [group_rows(k, 1, 16) for k in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
+    assert [group_rows(k, 8, 12) for k in (1, 9, 12)] == [8, 16, 16]  # multiples of 8
+
+
+def test_plan_groups_rows_by_width_bucket():
+    """Each minibatch's rows split by width bucket; group rows a power of two times the unit
+    (padding repeats a row, marked invalid); every row exactly once per epoch."""
+    lengths = np.array([500, 20, 30, 130, 40, 25, 600, 60])
+    plan = plan_update(lengths, minibatches=2, epochs=2, grad_accum=1, unit=1, cap=576,
+                       shuffle=np.random.default_rng(0).random((8, 2)))
+    assert len(plan) == 4
+    for e in range(2):
+        seen = []
+        for mb in plan[2 * e:2 * e + 2]:
+            assert mb.weight.sum() == 4
+            for g in mb.groups:
+                rows = g.rows[g.valid]
+                assert all(bucket_width(int(lengths[r]), 576) == g.width for r in rows)
+                assert len(g.rows) == group_rows(len(rows), 1, 4)
+                assert set(g.rows[~g.valid]) <= set(rows)
+                assert all(mb.weight[r] == 1.0 for r in rows)
+                seen += list(rows)
+        assert sorted(seen) == list(range(8))
+    # The whole batch at 576 columns would be 8 x 576 cells per epoch; the groups pay less.
+    assert plan_cells(plan) < 0.6 * 2 * 8 * 576
+    # grad_accum caps a group's rows; a subset of rows (the critic's) plans only those.
+    acc = plan_update(np.full(8, 5), minibatches=1, epochs=1, grad_accum=4, unit=1, cap=32)
+    assert [len(g.rows) for g in acc[0].groups] == [2, 2, 2, 2]
+    sub = plan_update(lengths, minibatches=2, epochs=1, grad_accum=1, unit=1, cap=576,
+                      rows=np.array([1, 6]))
+    assert [sorted(g.rows[g.valid]) for mb in sub for g in mb.groups] == [[1], [6]]
+    empty = plan_update(lengths, minibatches=2, epochs=1, grad_accum=1, unit=1, cap=576,
+                        rows=np.array([3]))
+    assert len(empty) == 2 and empty[1].groups == ()
+
+
+def _rows_of_lengths(lengths, width, seed=0):
+    rng = np.random.default_rng(seed)
+    b = len(lengths)
+    attn = np.arange(width)[None] < np.asarray(lengths)[:, None]
+    f = lambda x: jnp.asarray(np.where(attn, x, 0), jnp.float32)  # noqa: E731
+    return {"tokens": jnp.asarray(np.where(attn, rng.integers(2, 30, (b, width)), 0),
+                                  jnp.int32), "attn": jnp.asarray(attn),
+            "sample_logprobs": f(-rng.random((b, width)) * 3),
+            "advantages": f(rng.normal(size=(b, width))),
+            "policy_mask": f(rng.random((b, width)) < 0.8).at[:, 0].set(0.0),
+            "positive_mask": f(rng.random((b, width)) < 0.3),
+            "values_old": f(rng.normal(size=(b, width))), "returns": f(rng.random((b, width))),
+            "value_mask": f(rng.random((b, width)) < 0.7)}
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sample"])
+def test_row_groups_give_the_minibatchs_step(aggregation):
+    """Rows of 5..90 columns in 3 width buckets, updated as row groups, move params exactly
+    as one pass over the whole batch at the full width (every row in one group)."""
+    policy = create_model(ModelConfig.tiny(vocab_size=32))
+    models = {policy_update: nnx.split(policy), value_update: nnx.split(
+        ValueModel.from_policy(policy))}
+    lengths = np.array([90, 5, 40, 12, 70, 33, 8, 20])
+    batch = _rows_of_lengths(lengths, 96)
+    optim = OptimConfig(warmup_steps=1, minibatches=2)
+    cfg = StepConfig(algo=AlgoConfig(loss_aggregation=aggregation), optim=optim, window=8,
+                     temperature=1.0)
+    tx = optax.sgd(1e-2)  # params move by exactly the gradient (small: the 2nd minibatch's
+    for update, (gd, st) in models.items():
+        base, outs = nnx.to_pure_dict(st), []
+        for lens in (lengths, np.full(8, 96)):  # row groups; one full-width group
+            params = jax.tree.map(jnp.array, base)
+            new, _, stats = update(gd, params, tx.init(params), batch, tx=tx, cfg=cfg,
+                                   lengths=lens)
+            outs.append((jax.device_get(new), jax.device_get(stats)))
+        # gradient depends on the 1st step's params, which a big step would amplify)
+        moved = zip(jax.tree.leaves(outs[0][0]), jax.tree.leaves(outs[1][0]),
+                    jax.tree.leaves(base), strict=True)
+        for a, b, p0 in moved:
+            np.testing.assert_allclose(a - p0, b - p0, rtol=1e-3, atol=1e-7)
+        for k, v in outs[1][1].items():
+            np.testing.assert_allclose(outs[0][1][k], v, rtol=2e-4, atol=1e-6, err_msg=k)
 
 
 def test_varying_widths_compile_policy_update_a_bounded_number_of_times():
-    """12 'steps' whose longest rows vary over 12 distinct lengths compile policy_update once
-    per width bucket (3 here), not once per length; the watch counts the compiles."""
+    """12 'steps' whose rows vary over 12 distinct lengths compile the group gradient once per
+    width bucket (3 here; every group 2 rows), not once per length; the watch counts the
+    compiles."""
     gd, st = nnx.split(create_model(ModelConfig.tiny(vocab_size=32)))
     params = nnx.to_pure_dict(st)
     optim = OptimConfig(warmup_steps=1, minibatches=2)
     tx = make_optimizer(1e-3, optim)
     cfg = StepConfig(algo=AlgoConfig(), optim=optim, window=8, temperature=1.0)
     opt = tx.init(params)
-    fn = jax.jit(policy_update.__wrapped__, static_argnames=("graphdef", "tx", "cfg"))
+    upd = make_updater("policy", gd, tx=tx, cfg=cfg)
     lengths = [5, 17, 30, 40, 33, 60, 47, 90, 12, 71, 88, 52]
     rng = np.random.default_rng(0)
-    with CompileWatch({"policy_update": fn}) as watch:
+    with CompileWatch({"policy_update": upd.grads}) as watch:
         for n in lengths:
             w = bucket_width(n, 96)
             batch = {"tokens": jnp.asarray(rng.integers(2, 30, (4, w)), jnp.int32),
@@ -47,7 +128,7 @@ def test_varying_widths_compile_policy_update_a_bounded_number_of_times():
                      "sample_logprobs": jnp.full((4, w), -3.0),
                      "advantages": jnp.ones((4, w)), "policy_mask": jnp.ones((4, w)),
                      "positive_mask": jnp.zeros((4, w))}
-            params, opt, _ = fn(gd, params, opt, batch, tx=tx, cfg=cfg)
+            params, opt, _ = upd(params, opt, batch)
         count, seconds = watch.take()
         new = watch.new_shapes()
     buckets = {bucket_width(n, 96) for n in lengths}
@@ -62,7 +143,6 @@ def test_first_update_compiles_once_per_shape():
     on the mesh), so the second step reuses the first step's executable."""
     from tppo_jax.parallel.mesh import make_mesh
     from tppo_jax.train.state import commit_to_mesh
-    from tppo_jax.train.step import on_mesh
 
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
     gd, st = nnx.split(create_model(ModelConfig.tiny(vocab_size=32), mesh=mesh))
@@ -71,11 +151,11 @@ def test_first_update_compiles_once_per_shape():
     tx = make_optimizer(1e-3, optim)
     opt = commit_to_mesh(tx.init(params), mesh)
     cfg = StepConfig(algo=AlgoConfig(), optim=optim, window=8, temperature=1.0)
-    fn = on_mesh(policy_update, mesh, gd, params, opt, tx=tx, cfg=cfg)
+    fn = make_updater("policy", gd, tx=tx, cfg=cfg, mesh=mesh, params=params, opt_state=opt)
     b, s = 4, 32
     batch = {"tokens": jnp.ones((b, s), jnp.int32), "attn": jnp.ones((b, s), bool),
              "sample_logprobs": jnp.full((b, s), -3.0), "advantages": jnp.ones((b, s)),
              "policy_mask": jnp.ones((b, s)), "positive_mask": jnp.zeros((b, s))}
     for _ in range(3):
         params, opt, _ = fn(params, opt, batch)
-    assert fn._cache_size() == 1
+    assert fn.grads._cache_size() == 1 and fn.apply._cache_size() == 1

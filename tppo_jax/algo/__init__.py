@@ -8,7 +8,13 @@ from tppo_jax.algo.advantages import (
     length_adaptive_lambda,
     mc_returns,
 )
-from tppo_jax.algo.losses import aggregate, nll_loss, policy_loss, value_loss
+from tppo_jax.algo.losses import (
+    aggregate,
+    explained_variance,
+    nll_loss,
+    policy_loss,
+    value_loss,
+)
 from tppo_jax.algo.masks import (
     masked_clip,
     masked_mean,
@@ -22,7 +28,8 @@ from tppo_jax.algo.masks import (
 )
 
 __all__ = [
-    "aggregate", "discounted_backward", "effective_length", "egae", "gae",
+    "aggregate", "discounted_backward", "effective_length", "egae",
+    "explained_variance", "gae",
     "length_adaptive_lambda", "masked_clip", "masked_mean", "masked_whiten", "mc_returns",
     "nll_loss", "policy_loss", "policy_mask", "positive_example_mask", "response_mask",
     "span_mask", "value_loss", "value_mask", "window_mask",

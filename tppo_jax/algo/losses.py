@@ -18,21 +18,26 @@ Aggregation = Literal["token", "sample"]
 LOG_RATIO_CLAMP = 20.0
 
 
-def aggregate(per_token: Array, mask: Array, *, mode: Aggregation = "token") -> Array:
+def aggregate(per_token: Array, mask: Array, *, mode: Aggregation = "token",
+              denom: Array | None = None) -> Array:
     """Reduces a ``[B, T]`` loss over ``mask``.
 
     ``token`` (VAPO/DAPO): sum over every masked token of the batch / number of
     masked tokens, so long sequences weigh by their length. ``sample``: mean over
     rows (with at least one masked token) of each row's token mean.
+
+    ``denom`` replaces the count (masked tokens, or rows with one) by that of a larger batch
+    these rows are part of: the results over a batch's parts then add up to the batch's.
     """
     m = mask.astype(jnp.float32)
     if mode == "token":
-        return (per_token * m).sum() / jnp.maximum(m.sum(), 1.0)
+        n = m.sum() if denom is None else denom
+        return (per_token * m).sum() / jnp.maximum(n, 1.0)
     if mode == "sample":
         n = m.sum(axis=1)
         row = (per_token * m).sum(axis=1) / jnp.maximum(n, 1.0)
         has = (n > 0).astype(jnp.float32)
-        return (row * has).sum() / jnp.maximum(has.sum(), 1.0)
+        return (row * has).sum() / jnp.maximum(has.sum() if denom is None else denom, 1.0)
     raise ValueError(f"aggregation must be 'token' or 'sample', got {mode!r}")
 
 
@@ -46,6 +51,8 @@ def policy_loss(
     eps_high: float = 0.28,
     dual_clip_c: float | None = 10.0,
     aggregation: Aggregation = "token",
+    n_tokens: Array | None = None,
+    n_rows: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Clipped surrogate with clip-higher and dual clip.
 
@@ -60,6 +67,9 @@ def policy_loss(
       logp_old: ``[B, T]`` log-probs recorded at sampling time.
       advantages: ``[B, T]``.
       mask: ``[B, T]`` policy mask.
+      n_tokens, n_rows: masked tokens / rows with one of the whole minibatch, when these
+        rows are one part of it (``aggregate``'s ``denom``); the loss and the mean stats
+        then add up over the parts.
     Returns:
       ``(loss, {"clip_frac", "dual_clip_frac", "approx_kl", "ratio_mean",
       "log_ratio_absmax"})``.
@@ -77,14 +87,15 @@ def policy_loss(
         loss = jnp.where(dual, cap, loss)
     clipped = (surr2 < surr1).astype(jnp.float32)
     stats = {
-        "clip_frac": aggregate(clipped, m),
-        "dual_clip_frac": aggregate(dual.astype(jnp.float32), m),
+        "clip_frac": aggregate(clipped, m, denom=n_tokens),
+        "dual_clip_frac": aggregate(dual.astype(jnp.float32), m, denom=n_tokens),
         # k3 estimator of KL(old || new): unbiased and always >= 0.
-        "approx_kl": aggregate(jnp.expm1(-log_ratio) + log_ratio, m),
-        "ratio_mean": aggregate(ratio, m),
+        "approx_kl": aggregate(jnp.expm1(-log_ratio) + log_ratio, m, denom=n_tokens),
+        "ratio_mean": aggregate(ratio, m, denom=n_tokens),
         "log_ratio_absmax": jnp.abs(log_ratio).max(),  # masked tokens are 0
     }
-    return aggregate(loss, m, mode=aggregation), stats
+    denom = n_tokens if aggregation == "token" else n_rows
+    return aggregate(loss, m, mode=aggregation, denom=denom), stats
 
 
 def value_loss(
@@ -96,6 +107,8 @@ def value_loss(
     clip_low: float | None = 0.5,
     clip_high: float | None = 0.6,
     aggregation: Aggregation = "token",
+    n_tokens: Array | None = None,
+    n_rows: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Clipped value loss ``0.5 max((V-G)^2, (clip(V, V_old - c_lo, V_old + c_hi) - G)^2)``.
 
@@ -103,8 +116,9 @@ def value_loss(
       values: ``[B, T]`` current critic outputs; values_old: ``[B, T]`` at rollout time;
       returns: ``[B, T]`` targets (MC returns); mask: ``[B, T]`` value mask.
       clip_low/clip_high: ``None`` disables clipping.
+      n_tokens, n_rows: as in ``policy_loss``.
     Returns:
-      ``(loss, {"value_clip_frac", "explained_variance"})``.
+      ``(loss, {"value_clip_frac"})``.
     """
     m = mask.astype(jnp.float32)
     err = (values - returns) ** 2
@@ -115,19 +129,27 @@ def value_loss(
         v_clip = jnp.clip(values, values_old - clip_low, values_old + clip_high)
         err_clip = (v_clip - returns) ** 2
         per_tok = 0.5 * jnp.maximum(err, err_clip)
-        clip_frac = aggregate((err_clip > err).astype(jnp.float32), m)
+        clip_frac = aggregate((err_clip > err).astype(jnp.float32), m, denom=n_tokens)
+    denom = n_tokens if aggregation == "token" else n_rows
+    return aggregate(per_tok, m, mode=aggregation, denom=denom), {"value_clip_frac": clip_frac}
+
+
+def explained_variance(values: Array, returns: Array, mask: Array) -> Array:
+    """``1 - Var(G - V) / Var(G)`` over ``mask`` (``[B, T]`` each): how much of the returns'
+    spread the critic predicts (1: all, 0: no better than their mean; 0 when the returns
+    have no spread)."""
+    m = mask.astype(jnp.float32)
     n = jnp.maximum(m.sum(), 1.0)
     mean_g = (returns * m).sum() / n
     var_g = (((returns - mean_g) ** 2) * m).sum() / n
     resid = returns - values
     mean_r = (resid * m).sum() / n
     var_r = (((resid - mean_r) ** 2) * m).sum() / n
-    ev = jnp.where(var_g > 0, 1.0 - var_r / jnp.maximum(var_g, 1e-12), 0.0)
-    stats = {"value_clip_frac": clip_frac, "explained_variance": ev}
-    return aggregate(per_tok, m, mode=aggregation), stats
+    return jnp.where(var_g > 0, 1.0 - var_r / jnp.maximum(var_g, 1e-12), 0.0)
 
 
-def nll_loss(logp: Array, mask: Array) -> Array:
+def nll_loss(logp: Array, mask: Array, n_tokens: Array | None = None) -> Array:
     """VAPO positive-example loss: mean token NLL over ``mask``; 0 when the mask is
-    empty (no correct sample in the batch). ``logp``/``mask``: ``[B, T]``."""
-    return aggregate(-logp, mask, mode="token")
+    empty (no correct sample in the batch). ``logp``/``mask``: ``[B, T]``; ``n_tokens`` as
+    in ``policy_loss``."""
+    return aggregate(-logp, mask, mode="token", denom=n_tokens)

@@ -1,9 +1,9 @@
 """A rollout as the updates' device arrays: columns cut to a width bucket, rows global over
-hosts, the critic's rows bucketed, and each epoch's minibatch order."""
+hosts, and what the updates' plans read (row lengths, finished rows, each epoch's order)."""
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -12,19 +12,17 @@ from tppo_jax.buckets import bucket_width
 from tppo_jax.config import Config
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.rollout.scheduler import RolloutBatch
-from tppo_jax.train.shapes import bucket_rows
 
 
 def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh,
-                 token_rewards: np.ndarray | None = None,
-                 shuffle: np.ndarray | None = None) -> dict[str, jax.Array]:
+                 token_rewards: np.ndarray | None = None) -> dict[str, jax.Array]:
     """The rollout as device arrays, split over the mesh's batch axes (global arrays of
     every host's rows when there are several processes).
 
     Columns are cut to the longest row (over all hosts) rounded up to a width bucket
     (``buckets.bucket_width``): the updates then cost what the batch needs, not the full
-    buffer, and only a handful of widths ever compile. ``shuffle`` (``[B, epochs]`` random
-    keys) orders the rows of each epoch's minibatches.
+    buffer, and only a handful of widths ever compile (the updates then cut each row group
+    to its own bucket, see ``update_plan``).
     """
     longest = mh.max_over_hosts({"len": int(rb.total_len.max())})["len"]
     width = bucket_width(int(longest), rb.tokens.shape[1])
@@ -36,24 +34,28 @@ def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh
               "sample_logprobs": rb.sample_logprobs[:, :width]}
     if token_rewards is not None:
         arrays["token_rewards"] = token_rewards[:, :width]
-    if shuffle is not None:
-        arrays["shuffle"] = shuffle.astype(np.float32)
     return {k: mh.host_to_global(v, mesh) for k, v in arrays.items()}
 
 
-def value_rows(finished: np.ndarray, mesh, unit: int) -> jax.Array | None:
-    """Global indices of the rows the critic trains on: this host's finished rows, padded with
-    unfinished ones (value mask 0) to a row bucket agreed by all hosts; None when no host has
-    a finished row (the critic update is then skipped, not run on nothing)."""
-    fin = np.flatnonzero(finished)
-    need = int(mh.max_over_hosts({"fin": len(fin)})["fin"])
-    if need == 0:
-        return None
-    b, p = len(finished), jax.process_count()
-    # Host-local bucket whose global total (x P hosts) still splits into `unit` parts.
-    r = bucket_rows(need, b, max(unit // math.gcd(unit, p), 1))
-    rows = np.concatenate([fin, np.flatnonzero(~finished)])[:r]
-    return mh.host_to_global((rows + jax.process_index() * b).astype(np.int32), mesh)
+@dataclass(frozen=True)
+class RowPlan:
+    """What the updates' plans need, as host arrays over every host's rows (global row order,
+    so every host plans the same steps): ``lengths [B]`` columns each row uses, ``shuffle
+    [B, epochs]`` each epoch's row order, ``finished`` the rows the critic trains on."""
+
+    lengths: np.ndarray
+    shuffle: np.ndarray
+    finished: np.ndarray
+
+
+def row_plan(rb: RolloutBatch, shuffle: np.ndarray) -> RowPlan:
+    """This rollout's ``RowPlan`` (``shuffle``: this host's ``shuffle_keys``)."""
+    if jax.process_count() == 1:
+        lengths, fin = rb.total_len, rb.finished
+    else:
+        lengths, fin = mh.gather_rows(rb.total_len), mh.gather_rows(rb.finished)
+        shuffle = mh.gather_rows(shuffle)
+    return RowPlan(np.asarray(lengths), np.asarray(shuffle), np.flatnonzero(fin))
 
 
 def shuffle_keys(cfg: Config, step: int, rows: int) -> np.ndarray:

@@ -38,7 +38,7 @@ from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.rewards.grader import overlong_penalty
 from tppo_jax.rollout.scheduler import RolloutBatch
-from tppo_jax.train.batch import batch_arrays, shuffle_keys, value_rows
+from tppo_jax.train.batch import batch_arrays, row_plan, shuffle_keys
 from tppo_jax.train.run_dir import mirror
 from tppo_jax.train.setup import (
     Run,
@@ -50,6 +50,7 @@ from tppo_jax.train.setup import (
     setup,
 )
 from tppo_jax.train.state import TrainState
+from tppo_jax.train.update import plan_cells
 
 log = logging.getLogger(__name__)
 
@@ -209,8 +210,10 @@ class Update:
 
     pstats: dict[str, Any]  # policy stats (empty during critic warm-up)
     vstats: dict[str, Any]
-    width: int  # columns the updates ran on (a width bucket)
+    width: int  # the batch's columns (a width bucket: the widest row group)
     value_rows: int  # rows the critic trained on (0: none finished anywhere)
+    policy_cells: int  # rows x columns the policy's forward passes ran over (0: none)
+    value_cells: int  # the same for the critic
     n_comp: int  # update-side compiles and their seconds
     c_upd: float
     t_update: float
@@ -222,21 +225,25 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
     """Critic targets and advantages, then the policy and value updates (independent), then
     the scheduler samples from the new policy and frees the finished rows' slots."""
     cfg, rb, fns, sched = run.cfg, roll.rb, run.steps, run.sched
-    arrays = batch_arrays(rb, roll.reward, roll.correct, run.mesh, roll.token_rewards,
-                          shuffle=shuffle_keys(cfg, step, sched.B))
+    arrays = batch_arrays(rb, roll.reward, roll.correct, run.mesh, roll.token_rewards)
+    plan = row_plan(rb, shuffle_keys(cfg, step, sched.B))
     targets = fns.targets(state.value, arrays)
     train_batch = {**arrays, **targets}
     if hooks.before_update is not None:
         train_batch = hooks.before_update(step, train_batch)
     # Dispatched back to back: neither update waits for the other's result.
-    policy, opt_p, pstats = state.policy, state.policy_opt, {}
+    # Each minibatch runs as row groups cut to their own width bucket (update_plan).
+    width = int(arrays["tokens"].shape[1])
+    p_plan = fns.policy.plan(plan.lengths, width, plan.shuffle)
+    v_plan = fns.value.plan(plan.lengths, width, plan.shuffle, plan.finished)
+    policy, opt_p, pstats, cells = state.policy, state.policy_opt, {}, 0
     if step >= cfg.algo.critic_warmup_steps:
-        policy, opt_p, pstats = fns.policy(policy, opt_p, train_batch)
-    vrows = value_rows(rb.finished, run.mesh, run.row_unit)
+        policy, opt_p, pstats = fns.policy(policy, opt_p, train_batch, plan=p_plan)
+        cells = plan_cells(p_plan)
     value, opt_v = state.value, state.value_opt
     vstats: dict[str, Any] = {"value_loss": 0.0, "value_skipped": 0.0}
-    if vrows is not None:  # the critic trains on finished rows only
-        value, opt_v, vstats = fns.value(value, opt_v, {**train_batch, "value_rows": vrows})
+    if len(plan.finished):  # the critic trains on finished rows only
+        value, opt_v, vstats = fns.value(value, opt_v, train_batch, plan=v_plan)
     pstats, vstats = mh.tree_to_host((pstats, vstats))  # replicated scalars
     skipped = float(pstats.get("policy_skipped", 0.0)) + float(vstats["value_skipped"])
     skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
@@ -247,17 +254,19 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
             f"step {run.ckpt.latest_step()} in {run.ckpt.directory}")
     n_comp, c_upd = fns.watch.take()
     t_update = time.time() - roll.t0 - roll.t_roll - roll.t_grade
-    width, nrows = int(arrays["tokens"].shape[1]), 0 if vrows is None else int(vrows.shape[0])
-    # After warm-up a function that has compiled should only meet known shapes.
+    nrows = len(plan.finished)
+    # After warm-up a function that has compiled should only meet known shapes (the row
+    # groups' (rows, width) pairs are bounded, so new ones become rare).
     late = [k for k, (n0, _) in fns.watch.new_shapes().items() if n0 and step > run.start + 2]
     if late:
-        log.warning("step %d: %s compiled a new shape (width %d, critic rows %s); "
-                    "shapes so far: %s", step + 1, ", ".join(late), width,
-                    None if vrows is None else nrows, fns.watch.sizes())
+        log.warning("step %d: %s compiled a new shape (batch width %d, critic rows %d); "
+                    "shapes so far: %s", step + 1, ", ".join(late), width, nrows,
+                    fns.watch.sizes())
     state = TrainState(policy, value, opt_p, opt_v, step + 1)
     sched.set_policy(policy_module(run, state), step + 1)
     sched.release_finished(rb.finished)
-    return state, Update(pstats, vstats, width, nrows, n_comp, c_upd, t_update,
+    return state, Update(pstats, vstats, width, nrows, cells, plan_cells(v_plan) if nrows else 0,
+                         n_comp, c_upd, t_update,
                          skipped_in_a_row)
 
 
@@ -299,6 +308,8 @@ def log_step(run: Run, state: TrainState, roll: Rollout, upd: Update,
         # What the updates ran on (the cost model's update tokens: rows x width).
         "update_width": upd.width,
         "value_rows": upd.value_rows,
+        "policy_cells": upd.policy_cells,
+        "value_cells": upd.value_cells,
         **{f"compiled_shapes_{k}": v for k, v in watch.sizes().items()},
         "tokens_per_s": tot["tokens"] / max(time.time() - t0, 1e-9),
         "train_time_s": train_time + (time.time() - t0),

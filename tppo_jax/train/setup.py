@@ -28,7 +28,7 @@ from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.parallel.mesh import data_parallel_size, layout_rules, make_mesh, reshard
+from tppo_jax.parallel.mesh import layout_rules, make_mesh, reshard
 from tppo_jax.rewards.grader import MathGrader, answer_format_for
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
@@ -37,14 +37,8 @@ from tppo_jax.train.metrics import MetricsWriter
 from tppo_jax.train.run_dir import RunDir, pull, resolve_run_dir
 from tppo_jax.train.shapes import CompileWatch, enable_compile_cache
 from tppo_jax.train.state import TrainState, commit_to_mesh
-from tppo_jax.train.step import (
-    StepConfig,
-    make_optimizer,
-    on_mesh,
-    policy_update,
-    rollout_targets,
-    value_update,
-)
+from tppo_jax.train.step import StepConfig, make_optimizer, targets_on_mesh
+from tppo_jax.train.update import Updater, make_updater
 from tppo_jax.train.warmstart import RUN_SUBDIR, run_warmstart, synthetic_task
 
 log = logging.getLogger(__name__)
@@ -65,8 +59,8 @@ class Steps:
     """The jitted steps on the mesh and the compile watch over them."""
 
     targets: Callable  # (value params, batch) -> critic targets + advantages
-    policy: Callable  # (policy params, opt state, batch) -> (params, opt state, stats)
-    value: Callable  # (value params, opt state, batch) -> (params, opt state, stats)
+    policy: Updater  # (policy params, opt state, batch, ...) -> (params, opt state, stats)
+    value: Updater  # (value params, opt state, batch, ...) -> (params, opt state, stats)
     watch: CompileWatch
 
 
@@ -85,7 +79,6 @@ class Run:
     sampling: SamplingParams
     decode_shardings: Any  # decode-layout param shardings, or None (train layout)
     ckpt: Checkpointer
-    row_unit: int  # the critic's rows split into minibatches x micro-batches x batch ways
     progress: bool
     sched: TruncatedRolloutScheduler = field(init=False)
     steps: Steps = field(init=False)
@@ -140,8 +133,7 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
                               shard_index=jax.process_index(), shard_count=jax.process_count())
     run = Run(cfg, rd, mesh, models, eval_rows, encode, pipeline,
               SamplingParams(r.temperature, r.top_p, r.top_k), decode_shardings(cfg, models, mesh),
-              ckpt, cfg.optim.minibatches * cfg.optim.grad_accum * data_parallel_size(mesh),
-              progress)
+              ckpt, progress)
     tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim)
     tx_v = make_optimizer(cfg.optim.value_lr, cfg.optim)
     state = TrainState(models.policy, models.value,
@@ -207,13 +199,14 @@ def build_steps(run: Run, state: TrainState, tx_p: Any, tx_v: Any) -> Steps:
     scfg = StepConfig(algo=run.cfg.algo, optim=run.cfg.optim,
                       window=min(r.window, r.max_response_len),
                       temperature=r.temperature if r.temperature > 0 else 1.0)
-    targets_fn = on_mesh(rollout_targets, mesh, m.value_def, state.value, cfg=scfg)
-    policy_fn = on_mesh(policy_update, mesh, m.policy_def, state.policy, state.policy_opt,
-                        tx=tx_p, cfg=scfg)
-    value_fn = on_mesh(value_update, mesh, m.value_def, state.value, state.value_opt,
-                       tx=tx_v, cfg=scfg)
-    watch = CompileWatch({"rollout_targets": targets_fn, "policy_update": policy_fn,
-                          "value_update": value_fn})
+    targets_fn = targets_on_mesh(mesh, m.value_def, state.value, scfg)
+    policy_fn = make_updater("policy", m.policy_def, tx=tx_p, cfg=scfg, mesh=mesh,
+                             params=state.policy, opt_state=state.policy_opt)
+    value_fn = make_updater("value", m.value_def, tx=tx_v, cfg=scfg, mesh=mesh,
+                            params=state.value, opt_state=state.value_opt)
+    # A gradient compiles once per row-group shape (rows x width bucket); the rest once.
+    watch = CompileWatch({"rollout_targets": targets_fn, "policy_update": policy_fn.grads,
+                          "value_update": value_fn.grads})
     return Steps(targets_fn, policy_fn, value_fn, watch)
 
 

@@ -28,22 +28,6 @@ _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
 _BACKEND_EVENT = _COMPILE_EVENTS[-1]
 
 
-def bucket_rows(need: int, total: int, unit: int, levels: int = 3) -> int:
-    """The smallest of ``total, total/2, ..., total/2^(levels-1)`` that holds ``need`` rows
-    and is a multiple of ``unit`` (minibatches x micro-batches x data-parallel ways, so the
-    rows still split evenly). ``levels`` bounds the row shapes (and so the compiles).
-
-    ``total`` itself when nothing smaller qualifies; ``0 < need <= total`` is assumed.
-    """
-    best, r = total, total
-    for _ in range(levels - 1):
-        if r % 2 or (r // 2) % unit or r // 2 < need:
-            break
-        r //= 2
-        best = r
-    return best
-
-
 def enable_compile_cache(path: str) -> Path | None:
     """Turns on jax's persistent compilation cache in ``path`` (``~`` expanded; "" = off), so
     a second run with the same shapes loads its executables instead of compiling them."""

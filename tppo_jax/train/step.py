@@ -1,8 +1,6 @@
-"""Jitted T-PPO pieces: advantage/target computation, policy update, value update.
-
-Pure functions of (params, optimizer state, batch arrays); the trainer dispatches the
-policy and value updates back to back without waiting on either (jax's async dispatch),
-so they run independently, as T-PPO prescribes. All formulas come from ``tppo_jax.algo``.
+"""T-PPO's pure pieces: the optimizer, advantage/target computation (``rollout_targets``),
+the policy and value losses of one row group, and the guarded optimizer step. All formulas
+come from ``tppo_jax.algo``; ``train/update.py`` composes these into the updates.
 
 Array layout: every batch array is ``[B, S]`` over the full token buffer (prompt +
 windows); ``X[b, t]`` refers to token ``t`` (e.g. ``logp[b, t]`` = log-prob of token t,
@@ -50,7 +48,7 @@ def lr_schedule(lr: float, optim: OptimConfig) -> optax.Schedule:
     The schedule's clock is optax's update count, so the warm-up is scaled to
     ``warmup_steps * updates_per_step`` updates (the paper's "20 warm-up steps" with 16
     minibatches is 320 updates, not 20). A minibatch with nothing to train on takes no update
-    and does not advance the clock (see ``_guarded_apply``).
+    and does not advance the clock (see ``guarded_apply``).
     """
     n = max(optim.warmup_steps * updates_per_step(optim), 1)
     return optax.join_schedules([optax.linear_schedule(lr / n, lr, n),
@@ -148,11 +146,48 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
             "value_mask": vmask, "positive_mask": posmask, "lam": lam}
 
 
-def _minibatches(batch: dict[str, jax.Array], n: int) -> dict[str, jax.Array]:
-    return jax.tree.map(lambda x: x.reshape((n, x.shape[0] // n) + x.shape[1:]), batch)
+def policy_group_loss(graphdef: Any, params: Any, mb: dict[str, jax.Array],
+                      denoms: dict[str, jax.Array], cfg: StepConfig
+                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The policy loss of one row group of a minibatch: clipped surrogate on the policy mask
+    + ``nll_coef`` x positive-example NLL, each divided by the whole minibatch's count
+    (``denoms``: ``tokens``/``rows`` of the policy mask, ``positive`` tokens), so a
+    minibatch's loss and mean stats are the sums over its groups.
+
+    ``mb``: ``[R, W]`` ``tokens, attn, sample_logprobs, advantages, policy_mask,
+    positive_mask``.
+    """
+    a = cfg.algo
+    model = nnx.merge(graphdef, params)
+    logp, ent = policy_token_logprobs(model, mb["tokens"], mb["attn"], cfg.temperature)
+    pl, stats = algo.policy_loss(logp, mb["sample_logprobs"], mb["advantages"],
+                                 mb["policy_mask"], eps_low=a.eps_low, eps_high=a.eps_high,
+                                 dual_clip_c=a.dual_clip_c, aggregation=a.loss_aggregation,
+                                 n_tokens=denoms["tokens"], n_rows=denoms["rows"])
+    nll = algo.nll_loss(logp, mb["positive_mask"], n_tokens=denoms["positive"])
+    stats = dict(stats, pg_loss=pl, nll_loss=nll,
+                 entropy=algo.aggregate(ent, mb["policy_mask"], denom=denoms["tokens"]))
+    return pl + a.nll_coef * nll, stats
 
 
-def _guarded_apply(tx, grads, opt_state, params, loss, active):
+def value_group_loss(graphdef: Any, params: Any, mb: dict[str, jax.Array],
+                     denoms: dict[str, jax.Array], cfg: StepConfig
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Clipped value regression to MC returns on one row group's value mask (finished rows
+    only), divided by the minibatch's ``denoms`` (``tokens``/``rows`` of the value mask).
+
+    ``mb``: ``[R, W]`` ``tokens, attn, values_old, returns, value_mask``.
+    """
+    a = cfg.algo
+    v = critic_token_values(nnx.merge(graphdef, params), mb["tokens"], mb["attn"])
+    return algo.value_loss(v, mb["values_old"], mb["returns"], mb["value_mask"],
+                           clip_low=a.value_clip_low, clip_high=a.value_clip_high,
+                           aggregation=a.loss_aggregation, n_tokens=denoms["tokens"],
+                           n_rows=denoms["rows"])
+
+
+def guarded_apply(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any,
+                  loss: jax.Array, active: jax.Array) -> tuple[Any, Any, jax.Array]:
     """Applies the update only if the minibatch has tokens to train on (``active``) and its
     loss and grads are finite; else params *and* optimizer state stay as they were (no AdamW
     momentum step on a zero gradient, no tick of the learning-rate schedule).
@@ -169,131 +204,6 @@ def _guarded_apply(tx, grads, opt_state, params, loss, active):
     return keep(new_params, params), keep(new_opt, opt_state), active & ~finite
 
 
-def _epoch_order(batch: dict[str, jax.Array], epoch: int) -> dict[str, jax.Array]:
-    """The batch's rows in this epoch's order: sorted by ``shuffle[:, epoch]`` (``[B, E]``
-    random keys drawn by the caller from its seed and step, so an exact resume replays the same
-    minibatches); in the given order when the batch has no ``shuffle``."""
-    if "shuffle" not in batch:
-        return batch
-    perm = jnp.argsort(batch["shuffle"][:, epoch])
-    return jax.tree.map(lambda x: x[perm], {k: v for k, v in batch.items() if k != "shuffle"})
-
-
-def _run_epochs(loss_fn, active_fn, tx, params, opt_state, batch, cfg: StepConfig, name: str,
-                first_mb: tuple[str, ...] = ()):
-    """``cfg.optim.epochs`` passes over ``minibatches`` splits (rows reshuffled every epoch,
-    see ``_epoch_order``); one optimizer step each, its gradient averaged over ``grad_accum``
-    micro-batches (memory: one micro-batch's activations at a time). A minibatch where
-    ``active_fn(mb)`` is False (no token to train on) takes no step (``{name}_empty_mb``); a
-    non-finite loss/grad skips the step (``{name}_skipped``). Stats are means over the
-    minibatches that stepped; ``first_mb`` stats are also reported for the very first
-    minibatch alone as ``{key}_first_mb`` (before any update of this step).
-    """
-    accum = cfg.optim.grad_accum
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def accumulated(p, mb):
-        """Mean loss, stats and grads over ``accum`` micro-batches (one optimizer step)."""
-        if accum == 1:
-            return grad_fn(p, mb)
-        micro = _minibatches(mb, accum)
-
-        def add(acc, x):
-            out = grad_fn(p, x)
-            return jax.tree.map(lambda a, b: a + b / accum, acc, out), None
-
-        zero = jax.tree.map(jnp.zeros_like, jax.eval_shape(grad_fn, p,
-                                                           jax.tree.map(lambda x: x[0], micro)))
-        total, _ = jax.lax.scan(add, zero, micro)
-        return total
-
-    def one(carry, mb):
-        p, o = carry
-        (loss, stats), grads = accumulated(p, mb)
-        active = active_fn(mb)
-        p, o, skipped = _guarded_apply(tx, grads, o, p, loss, active)
-        stats = dict(stats, **{f"{name}_loss": loss, f"{name}_grad_norm": optax.tree.norm(grads),
-                               f"{name}_skipped": skipped.astype(jnp.float32),
-                               "_active": active.astype(jnp.float32)})
-        return (p, o), stats
-
-    carry = (params, opt_state)
-    per_mb = []
-    for epoch in range(cfg.optim.epochs):
-        mbs = _minibatches(_epoch_order(batch, epoch), cfg.optim.minibatches)
-        carry, stats = jax.lax.scan(one, carry, mbs)
-        per_mb.append(stats)
-    per_mb = jax.tree.map(lambda *xs: jnp.concatenate(xs), *per_mb)  # [epochs * minibatches]
-    w = per_mb.pop("_active")
-    stats = jax.tree.map(lambda x: (x * w).sum() / jnp.maximum(w.sum(), 1.0), per_mb)
-    stats[f"{name}_skipped"] = per_mb[f"{name}_skipped"].sum()
-    stats[f"{name}_empty_mb"] = (1.0 - w).sum()
-    stats.update({f"{k}_first_mb": per_mb[k][0] for k in first_mb})
-    return carry[0], carry[1], stats
-
-
-# The ratio statistics of the first minibatch, before this step changed the policy: with the
-# ``keep`` KV policy they measure how far the sampled log-probs (decoded over an older policy's
-# cache) are from a fresh forward pass; later minibatches average that away.
-FIRST_MB_STATS = ("ratio_mean", "approx_kl", "clip_frac", "log_ratio_absmax")
-
-
-@partial(jax.jit, static_argnames=("graphdef", "tx", "cfg"), donate_argnums=(1, 2))
-def policy_update(graphdef: Any, params: Any, opt_state: Any, batch: dict[str, jax.Array], *,
-                  tx: optax.GradientTransformation, cfg: StepConfig):
-    """PPO epochs x minibatches on the policy mask (+ positive-example NLL, weight mu).
-
-    ``batch``: ``[B, ...]`` arrays (``compute_targets``' outputs plus ``tokens, attn,
-    sample_logprobs``, optionally ``shuffle [B, epochs]``). Returns ``(params, opt_state,
-    stats)``; ``stats["policy_loss"]`` is the total loss.
-    """
-    a = cfg.algo
-
-    def loss_fn(p, mb):
-        model = nnx.merge(graphdef, p)
-        logp, ent = policy_token_logprobs(model, mb["tokens"], mb["attn"], cfg.temperature)
-        pl, stats = algo.policy_loss(logp, mb["sample_logprobs"], mb["advantages"],
-                                     mb["policy_mask"], eps_low=a.eps_low, eps_high=a.eps_high,
-                                     dual_clip_c=a.dual_clip_c, aggregation=a.loss_aggregation)
-        nll = algo.nll_loss(logp, mb["positive_mask"])
-        stats = dict(stats, pg_loss=pl, nll_loss=nll,
-                     entropy=algo.masked_mean(ent, mb["policy_mask"]))
-        return pl + a.nll_coef * nll, stats
-
-    def active(mb):
-        n = mb["policy_mask"].sum()
-        return n + mb["positive_mask"].sum() * (a.nll_coef > 0) > 0
-
-    return _run_epochs(loss_fn, active, tx, params, opt_state, batch, cfg, "policy",
-                       first_mb=FIRST_MB_STATS)
-
-
-@partial(jax.jit, static_argnames=("graphdef", "tx", "cfg"), donate_argnums=(1, 2))
-def value_update(graphdef: Any, params: Any, opt_state: Any, batch: dict[str, jax.Array], *,
-                 tx: optax.GradientTransformation, cfg: StepConfig):
-    """Clipped value regression to MC returns on the value mask (finished rows only).
-
-    With ``batch["value_rows"]`` (``[R]`` row indices, ``R <= B``: the finished rows padded
-    with unfinished ones) only those rows are run: the critic pays for the rows that have a
-    target, not for the whole batch.
-    """
-    a = cfg.algo
-    if "value_rows" in batch:
-        rows = batch["value_rows"]
-        batch = jax.tree.map(lambda x: x[rows], {k: v for k, v in batch.items()
-                                                 if k != "value_rows"})
-
-    def loss_fn(p, mb):
-        model = nnx.merge(graphdef, p)
-        v = critic_token_values(model, mb["tokens"], mb["attn"])
-        return algo.value_loss(v, mb["values_old"], mb["returns"], mb["value_mask"],
-                               clip_low=a.value_clip_low, clip_high=a.value_clip_high,
-                               aggregation=a.loss_aggregation)
-
-    return _run_epochs(loss_fn, lambda mb: mb["value_mask"].sum() > 0, tx, params, opt_state,
-                       batch, cfg, "value")
-
-
 @partial(jax.jit, static_argnames=("graphdef", "cfg"))
 def rollout_targets(graphdef: Any, value_params: Any, batch: dict[str, jax.Array], *,
                     cfg: StepConfig) -> dict[str, jax.Array]:
@@ -305,27 +215,23 @@ def rollout_targets(graphdef: Any, value_params: Any, batch: dict[str, jax.Array
     return out
 
 
-def on_mesh(step, mesh, graphdef: Any, params: Any, opt_state: Any | None = None,
-            **static: Any):
-    """``step`` (``policy_update``/``value_update``, or ``rollout_targets`` without an
-    optimizer state) re-jitted for this mesh with its shardings declared, its static
-    arguments (``graphdef`` and the ``tx``/``cfg`` keywords) bound. Params and optimizer
-    state go in and come out exactly as placed now (leaves off the mesh, such as a step
-    count, replicated); every batch array is split over the batch axes; stats are
-    replicated. The update can then never hand back params in a layout the compiler chose.
+def batch_spec(mesh) -> NamedSharding:
+    """Batch arrays on ``mesh``: the leading (row) dim split over the batch axes."""
+    return NamedSharding(mesh, logical_to_spec(("batch",)))  # a prefix: leading dim only
 
-    Returns ``f(params, opt_state, batch)`` (``f(params, batch)`` for ``rollout_targets``).
-    """
+
+def placed(tree: Any, mesh) -> Any:
+    """The shardings ``tree``'s leaves have on ``mesh`` now (replicated for leaves off it, such
+    as an optimizer's step count): declared in and out of a jitted step, they make it hand
+    back params exactly as placed, never in a layout the compiler chose."""
     rep = NamedSharding(mesh, PartitionSpec())
-    batch = NamedSharding(mesh, logical_to_spec(("batch",)))  # a prefix: leading dim only
+    return jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding)
+                        and x.sharding.mesh == mesh else rep, tree)
 
-    def placed(tree: Any) -> Any:
-        return jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding)
-                            and x.sharding.mesh == mesh else rep, tree)
 
-    fn = partial(step.__wrapped__, graphdef, **static)
-    if opt_state is None:  # rollout_targets(params, batch) -> targets
-        return jax.jit(fn, in_shardings=(placed(params), batch), out_shardings=batch)
-    p, o = placed(params), placed(opt_state)
-    return jax.jit(fn, donate_argnums=(0, 1), in_shardings=(p, o, batch),
-                   out_shardings=(p, o, rep))
+def targets_on_mesh(mesh, graphdef: Any, params: Any, cfg: StepConfig):
+    """``rollout_targets`` re-jitted for this mesh: params in as placed now, every batch
+    array in and out split over the batch axes. Returns ``f(params, batch)``."""
+    fn = partial(rollout_targets.__wrapped__, graphdef, cfg=cfg)
+    return jax.jit(fn, in_shardings=(placed(params, mesh), batch_spec(mesh)),
+                   out_shardings=batch_spec(mesh))

@@ -1,0 +1,173 @@
+"""Update time per step with row groups cut to their own width vs the whole batch at its
+longest row's width.
+
+Before this change every row of an update ran at the width bucket of the batch's longest
+row: on the long-tail task one 500-token row made 31 short ones pay for 512 columns, and
+attention's cost grows with the square of the width. Now each minibatch runs as row groups,
+one per width bucket (``train/update_plan.py``), their gradients summed: the same step.
+
+Here both run on the same rollout batches (the warm-started policy's, T-PPO with window
+``l`` and PPO with ``l = L``), the same starting weights, interleaved: the critic targets,
+then the policy and value updates exactly as the trainer makes them (``fullwidth`` = every
+row planned at the batch width, the old cost). Rewards are the grader's. The two modes must
+end at the same weights (max relative difference reported). Writes
+``results/update_groups.json``.
+
+    tppo bench update-groups --config longtail --steps 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _batches(cfg, tok, model, examples, encode, window: int, n: int) -> list:
+    """``n`` rollout windows from a fresh scheduler, graded: ``[(rb, reward, correct)]``."""
+    from tppo_jax.benchmarks.prefill_width import make_scheduler
+
+    from tppo_jax.train.setup import make_grader
+
+    grader = make_grader(cfg)
+    sched = make_scheduler(cfg, tok, model, examples, encode, window)
+    out = []
+    for _ in range(n):
+        rb = sched.step()
+        fin = np.flatnonzero(rb.finished)
+        reward, correct = np.zeros(sched.B, np.float32), np.zeros(sched.B, bool)
+        if len(fin):
+            g = grader.grade([tok.decode(rb.response_tokens(i)) for i in fin],
+                             [rb.examples[i].answer for i in fin])
+            reward[fin], correct[fin] = g.rewards, g.correct
+        out.append((rb, reward, correct))
+        sched.release_finished(rb.finished)
+    return out
+
+
+def _update(fns, policy, value, opts, arrays, lengths, finished, shuffle, watch):
+    """One step's targets + policy + value update (the trainer's calls); returns the new
+    weights and the seconds it took, less the seconds it spent compiling (``watch``; the
+    trainer reports compiles apart too, and a new row-group shape may appear after the
+    warm-up steps)."""
+    import jax
+
+    targets_fn, pol, val = fns
+    watch.take()
+    t0 = time.perf_counter()
+    batch = {**arrays, **targets_fn(value, arrays)}
+    w = int(arrays["tokens"].shape[1])
+    policy, _, _ = pol(policy, opts[0], batch, plan=pol.plan(lengths, w, shuffle))
+    if len(finished):
+        value, _, _ = val(value, opts[1], batch, plan=val.plan(lengths, w, shuffle, finished))
+    jax.block_until_ready((policy, value))
+    return policy, value, time.perf_counter() - t0 - watch.take()[1]
+
+
+def _max_rel_diff(a, b) -> float:
+    import jax
+
+    return max(float(np.abs(x - y).max() / max(np.abs(y).max(), 1e-12))
+               for x, y in zip(jax.tree.leaves(jax.device_get(a)),
+                               jax.tree.leaves(jax.device_get(b)), strict=True))
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from tppo_jax.config import load_config
+    from tppo_jax.models.value import ValueModel
+    from tppo_jax.parallel.mesh import make_mesh
+    from tppo_jax.train.batch import batch_arrays, shuffle_keys
+    from tppo_jax.train.setup import prompt_rows
+    from tppo_jax.train.shapes import CompileWatch
+    from tppo_jax.train.state import commit_to_mesh
+    from tppo_jax.train.step import StepConfig, make_optimizer, targets_on_mesh
+    from tppo_jax.train.update import make_updater, plan_cells
+    from tppo_jax.train.warmstart import warmstart
+
+    cfg = load_config(args.config, args.overrides)
+    stem = Path(args.config).stem
+    runs = Path(args.out) / "runs" / ("" if stem == "default" else stem)  # as tppo-vs-ppo
+    tok, model, _ = warmstart(cfg, runs, progress=not args.no_progress)
+    examples, _, encode = prompt_rows(cfg, tok)
+    r, L = cfg.rollout, cfg.rollout.max_response_len
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    pdef, p0 = nnx.split(model)
+    vdef, v0 = nnx.split(ValueModel.from_policy(model))
+    p0, v0 = nnx.to_pure_dict(p0), nnx.to_pure_dict(v0)
+    tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim)
+    tx_v = make_optimizer(cfg.optim.value_lr, cfg.optim)
+    copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (the updates donate their inputs)
+    out: dict = {"config": args.config, "slots": r.slots, "L": L, "steps": args.steps,
+                 "cpu": args.cpu_note, "methods": {}}
+    for name, window in (("tppo", r.window), ("ppo", L)):
+        scfg = StepConfig(algo=cfg.algo, optim=cfg.optim, window=min(window, L),
+                          temperature=r.temperature if r.temperature > 0 else 1.0)
+        opt_p, opt_v = commit_to_mesh(tx_p.init(p0), mesh), commit_to_mesh(tx_v.init(v0), mesh)
+        fns = (targets_on_mesh(mesh, vdef, v0, scfg),
+               make_updater("policy", pdef, tx=tx_p, cfg=scfg, mesh=mesh, params=p0,
+                            opt_state=opt_p),
+               make_updater("value", vdef, tx=tx_v, cfg=scfg, mesh=mesh, params=v0,
+                            opt_state=opt_v))
+        res: dict = {"fullwidth": [], "grouped": [], "width": [], "cells": {"fullwidth": 0,
+                                                                          "grouped": 0}}
+        diff = 0.0
+        with CompileWatch() as watch:
+            batches = _batches(cfg, tok, model, examples, encode, window, args.warmup + args.steps)
+            for i, (rb, reward, correct) in enumerate(batches):
+                arrays = batch_arrays(rb, reward, correct, mesh)
+                width = int(arrays["tokens"].shape[1])
+                shuffle = shuffle_keys(cfg, i, r.slots)
+                fin = np.flatnonzero(rb.finished)
+                ends = {}
+                for mode in ("fullwidth", "grouped"):
+                    lengths = rb.total_len if mode == "grouped" else np.full(r.slots, width)
+                    p, v, dt = _update(fns, copy(p0), copy(v0), (copy(opt_p), copy(opt_v)),
+                                       arrays, lengths, fin, shuffle, watch)
+                    ends[mode] = (p, v)
+                    if i >= args.warmup:
+                        res[mode].append(dt)
+                        res["cells"][mode] += plan_cells(fns[1].plan(lengths, width, shuffle))
+                if i >= args.warmup:
+                    res["width"].append(width)
+                diff = max(diff, _max_rel_diff(ends["grouped"], ends["fullwidth"]))
+        t_full, t_grp = sum(res["fullwidth"]), sum(res["grouped"])
+        summary = {"update_s_median": {m: statistics.median(res[m])
+                                       for m in ("fullwidth", "grouped")},
+                   "update_s_total": {"fullwidth": t_full, "grouped": t_grp},
+                   "speedup": t_full / t_grp, "policy_cells": res["cells"],
+                   "batch_width_median": statistics.median(res["width"]),
+                   "max_rel_weight_diff": diff}
+        out["methods"][name] = summary
+        print(f"{name}: update {summary['update_s_median']['fullwidth']:.2f} s/step (batch "
+              f"width) -> {summary['update_s_median']['grouped']:.2f} s/step (row groups), "
+              f"{summary['speedup']:.2f}x; policy cells {res['cells']['fullwidth']} -> "
+              f"{res['cells']['grouped']}; max relative weight difference {diff:.1e}")
+    path = Path(args.out) / "update_groups.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    return out
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="longtail")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per method and mode")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
+    p.add_argument("--out", default="results",
+                   help="results dir; the warm-start cache is read from (or built in) its runs/")
+    p.add_argument("--cpu-note", default="", help="the machine, recorded in the JSON")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_args(parser)
+    run(parser.parse_args())

@@ -1,0 +1,96 @@
+"""Which rows each optimizer step trains on, and at which column width (host bookkeeping).
+
+A rollout's rows are long-tailed: a few reach the full buffer while most stop within a
+window or two. Cutting the whole batch to its longest row made every row pay for the longest
+one, and self-attention's cost grows with the square of the width (on CPU, one 512-wide
+update cost 3.4x a 256-wide one). So each minibatch is split into *row groups*, one per
+width bucket: each group runs at the width its longest row needs, and the gradients of a
+minibatch's groups add up to the minibatch's gradient exactly (the losses divide by the
+whole minibatch's token count, see ``algo.aggregate``'s ``denom``).
+
+Shapes stay few: widths are ``buckets.width_buckets``, and a group's row count is rounded
+up to ``unit * 2^k`` (padding rows carry no mask), so a run compiles at most
+(#widths x #row buckets) group shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tppo_jax.buckets import bucket_width
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows run together at one width: ``rows [R]`` global row indices (padding repeats a
+    row), ``valid [R]`` (False on padding), ``width`` columns."""
+
+    rows: np.ndarray
+    valid: np.ndarray
+    width: int
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """One optimizer step: ``weight [B]`` (1.0 on its rows; the loss denominators are
+    counted over these) and the row groups whose gradients it sums."""
+
+    weight: np.ndarray
+    groups: tuple[RowGroup, ...]
+
+
+def group_rows(n: int, unit: int, cap: int) -> int:
+    """Rows of a group holding ``n``: the smallest ``unit * 2^k >= n``, at most ``cap``
+    rounded up to a multiple of ``unit`` (``unit``: the mesh's data-parallel ways)."""
+    r = unit
+    while r < n:
+        r *= 2
+    return min(r, -(-cap // unit) * unit)
+
+
+def plan_minibatch(rows: np.ndarray, lengths: np.ndarray, batch: int, *, max_rows: int,
+                   unit: int, cap: int) -> Minibatch:
+    """The row groups of one minibatch: ``rows`` split by the width bucket of their
+    ``lengths`` (columns in use), each bucket in chunks of at most ``max_rows`` rows."""
+    weight = np.zeros(batch, np.float32)
+    weight[rows] = 1.0
+    widths = np.array([bucket_width(int(lengths[r]), cap) for r in rows], np.int64)
+    groups = []
+    for w in sorted(set(widths.tolist())):
+        members = rows[widths == w]
+        for i in range(0, len(members), max_rows):
+            chunk = members[i:i + max_rows]
+            r = max(group_rows(len(chunk), unit, max_rows), len(chunk))
+            pad = np.full(r - len(chunk), chunk[0], np.int64)
+            groups.append(RowGroup(np.concatenate([chunk, pad]).astype(np.int32),
+                                   np.arange(r) < len(chunk), int(w)))
+    return Minibatch(weight, tuple(groups))
+
+
+def plan_update(lengths: np.ndarray, *, minibatches: int, epochs: int, grad_accum: int,
+                unit: int, cap: int, shuffle: np.ndarray | None = None,
+                rows: np.ndarray | None = None) -> list[Minibatch]:
+    """Every optimizer step of one update, in order: ``epochs`` passes, each over
+    ``minibatches`` near-equal splits of ``rows`` (default: all) ordered by that epoch's
+    ``shuffle`` keys (``[B, epochs]``; the given order without them).
+
+    Args:
+      lengths: ``[B]`` columns each row uses (prompt + response so far).
+      grad_accum: a group holds at most ``ceil(minibatch rows / grad_accum)`` rows
+        (activation memory of one group at a time).
+      unit: row counts are multiples of it (the batch axes' size on the mesh).
+      cap: the widest width (the token buffer's).
+    Returns ``epochs * minibatches`` minibatches (one with no rows has no groups).
+    """
+    b = len(lengths)
+    rows = np.arange(b) if rows is None else np.asarray(rows, np.int64)
+    per_mb = -(-len(rows) // minibatches) if len(rows) else 1
+    max_rows = max(-(-per_mb // grad_accum), 1)
+    out = []
+    for e in range(epochs):
+        order = rows if shuffle is None else rows[np.argsort(shuffle[rows, e], kind="stable")]
+        for part in np.array_split(order, minibatches):
+            out.append(plan_minibatch(part, lengths, b, max_rows=max_rows, unit=unit, cap=cap))
+    return out
