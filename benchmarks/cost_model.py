@@ -44,7 +44,8 @@ def replay(lengths: np.ndarray, slots: int, window: int, max_len: int, prompt: i
     work), ``useful_tokens``, ``finished``, ``kv_reads`` (sum over decoded tokens of the
     context they attend to), and update tokens: the policy trains every live row and the
     critic every finished row, padded to the window's longest row (``*_padded``, what this
-    trainer does) or packed (``*_packed``: each row its own length).
+    trainer did before its row groups) or packed (``*_packed``: each row its own length; the
+    row groups, each cut to its width bucket, come close to it).
     """
     queue = list(np.minimum(np.asarray(lengths, np.int64), max_len)[::-1])
     rem = np.array([queue.pop() if queue else 0 for _ in range(slots)], np.int64)

@@ -9,9 +9,11 @@ one per width bucket (``train/update_plan.py``), their gradients summed: the sam
 Here both run on the same rollout batches (the warm-started policy's, T-PPO with window
 ``l`` and PPO with ``l = L``), the same starting weights, interleaved: the critic targets,
 then the policy and value updates exactly as the trainer makes them (``fullwidth`` = every
-row planned at the batch width, the old cost). Rewards are the grader's. The two modes must
-end at the same weights (max relative difference reported). Writes
-``results/update_groups.json``.
+row planned at the batch width, the old cost). Each update runs twice and the second is
+timed (the first compiles the shapes it meets; ``compiles_while_timed`` must be 0). T-PPO's
+batches come after ``--skip`` windows, so its slots hold continuing rows of every age as in
+training. Rewards are the grader's. The two modes must end at the same weights (max
+relative difference reported). Writes ``results/update_groups.json``.
 
     tppo bench update-groups --config longtail --steps 8
 """
@@ -27,8 +29,10 @@ from pathlib import Path
 import numpy as np
 
 
-def _batches(cfg, tok, model, examples, encode, window: int, n: int) -> list:
-    """``n`` rollout windows from a fresh scheduler, graded: ``[(rb, reward, correct)]``."""
+def _batches(cfg, tok, model, examples, encode, window: int, n: int, skip: int) -> list:
+    """``n`` rollout windows from a fresh scheduler after ``skip`` untimed ones (so T-PPO's
+    slots hold continuing rows of every age, as in training), graded:
+    ``[(rb, reward, correct)]``."""
     from tppo_jax.benchmarks.prefill_width import make_scheduler
 
     from tppo_jax.train.setup import make_grader
@@ -36,8 +40,11 @@ def _batches(cfg, tok, model, examples, encode, window: int, n: int) -> list:
     grader = make_grader(cfg)
     sched = make_scheduler(cfg, tok, model, examples, encode, window)
     out = []
-    for _ in range(n):
+    for i in range(skip + n):
         rb = sched.step()
+        if i < skip:
+            sched.release_finished(rb.finished)
+            continue
         fin = np.flatnonzero(rb.finished)
         reward, correct = np.zeros(sched.B, np.float32), np.zeros(sched.B, bool)
         if len(fin):
@@ -49,15 +56,12 @@ def _batches(cfg, tok, model, examples, encode, window: int, n: int) -> list:
     return out
 
 
-def _update(fns, policy, value, opts, arrays, lengths, finished, shuffle, watch):
+def _update(fns, policy, value, opts, arrays, lengths, finished, shuffle):
     """One step's targets + policy + value update (the trainer's calls); returns the new
-    weights and the seconds it took, less the seconds it spent compiling (``watch``; the
-    trainer reports compiles apart too, and a new row-group shape may appear after the
-    warm-up steps)."""
+    weights and the seconds it took."""
     import jax
 
     targets_fn, pol, val = fns
-    watch.take()
     t0 = time.perf_counter()
     batch = {**arrays, **targets_fn(value, arrays)}
     w = int(arrays["tokens"].shape[1])
@@ -65,7 +69,7 @@ def _update(fns, policy, value, opts, arrays, lengths, finished, shuffle, watch)
     if len(finished):
         value, _, _ = val(value, opts[1], batch, plan=val.plan(lengths, w, shuffle, finished))
     jax.block_until_ready((policy, value))
-    return policy, value, time.perf_counter() - t0 - watch.take()[1]
+    return policy, value, time.perf_counter() - t0
 
 
 def _max_rel_diff(a, b) -> float:
@@ -118,9 +122,10 @@ def run(args: argparse.Namespace) -> dict:
                             opt_state=opt_v))
         res: dict = {"fullwidth": [], "grouped": [], "width": [], "cells": {"fullwidth": 0,
                                                                           "grouped": 0}}
-        diff = 0.0
+        diff, timed_compiles = 0.0, 0
+        batches = _batches(cfg, tok, model, examples, encode, window, args.steps,
+                           args.skip if name == "tppo" else 1)
         with CompileWatch() as watch:
-            batches = _batches(cfg, tok, model, examples, encode, window, args.warmup + args.steps)
             for i, (rb, reward, correct) in enumerate(batches):
                 arrays = batch_arrays(rb, reward, correct, mesh)
                 width = int(arrays["tokens"].shape[1])
@@ -129,14 +134,17 @@ def run(args: argparse.Namespace) -> dict:
                 ends = {}
                 for mode in ("fullwidth", "grouped"):
                     lengths = rb.total_len if mode == "grouped" else np.full(r.slots, width)
+                    args_ = (arrays, lengths, fin, shuffle)
+                    # Untimed first: it compiles whatever shapes this batch meets.
+                    _update(fns, copy(p0), copy(v0), (copy(opt_p), copy(opt_v)), *args_)
+                    watch.take()
                     p, v, dt = _update(fns, copy(p0), copy(v0), (copy(opt_p), copy(opt_v)),
-                                       arrays, lengths, fin, shuffle, watch)
+                                       *args_)
+                    timed_compiles += watch.take()[0]
                     ends[mode] = (p, v)
-                    if i >= args.warmup:
-                        res[mode].append(dt)
-                        res["cells"][mode] += plan_cells(fns[1].plan(lengths, width, shuffle))
-                if i >= args.warmup:
-                    res["width"].append(width)
+                    res[mode].append(dt)
+                    res["cells"][mode] += plan_cells(fns[1].plan(lengths, width, shuffle))
+                res["width"].append(width)
                 diff = max(diff, _max_rel_diff(ends["grouped"], ends["fullwidth"]))
         t_full, t_grp = sum(res["fullwidth"]), sum(res["grouped"])
         summary = {"update_s_median": {m: statistics.median(res[m])
@@ -144,7 +152,7 @@ def run(args: argparse.Namespace) -> dict:
                    "update_s_total": {"fullwidth": t_full, "grouped": t_grp},
                    "speedup": t_full / t_grp, "policy_cells": res["cells"],
                    "batch_width_median": statistics.median(res["width"]),
-                   "max_rel_weight_diff": diff}
+                   "max_rel_weight_diff": diff, "compiles_while_timed": timed_compiles}
         out["methods"][name] = summary
         print(f"{name}: update {summary['update_s_median']['fullwidth']:.2f} s/step (batch "
               f"width) -> {summary['update_s_median']['grouped']:.2f} s/step (row groups), "
@@ -159,7 +167,8 @@ def run(args: argparse.Namespace) -> dict:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="longtail")
     p.add_argument("--steps", type=int, default=8, help="timed steps per method and mode")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compiles)")
+    p.add_argument("--skip", type=int, default=16,
+                   help="T-PPO rollout windows run (no update) before the timed ones")
     p.add_argument("--out", default="results",
                    help="results dir; the warm-start cache is read from (or built in) its runs/")
     p.add_argument("--cpu-note", default="", help="the machine, recorded in the JSON")

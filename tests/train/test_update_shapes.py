@@ -27,13 +27,15 @@ def test_width_and_row_buckets():
     for n in range(1, 577):  # a batch never pays more than twice its width (past 32)
         w = bucket_width(n, 576)
         assert n <= w and (w <= 32 or w < 2 * n)
-    assert [group_rows(k, 1, 16) for k in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
-    assert [group_rows(k, 8, 12) for k in (1, 9, 12)] == [8, 16, 16]  # multiples of 8
+    # At most 16 x 64 token cells (or one row); multiples of the mesh's batch ways.
+    assert [group_rows(w, 16, 1) for w in (32, 64, 128, 256, 512, 576)] == [16, 16, 8, 4, 2, 1]
+    assert [group_rows(w, 16, 8) for w in (32, 128, 576)] == [16, 8, 8]
 
 
 def test_plan_groups_rows_by_width_bucket():
-    """Each minibatch's rows split by width bucket; group rows a power of two times the unit
-    (padding repeats a row, marked invalid); every row exactly once per epoch."""
+    """Each minibatch's rows longest first, each group at the width bucket of its longest row
+    with that width's one row count (padding repeats a row, marked invalid); every row
+    exactly once per epoch."""
     lengths = np.array([500, 20, 30, 130, 40, 25, 600, 60])
     plan = plan_update(lengths, minibatches=2, epochs=2, grad_accum=1, unit=1, cap=576,
                        shuffle=np.random.default_rng(0).random((8, 2)))
@@ -44,11 +46,13 @@ def test_plan_groups_rows_by_width_bucket():
             assert mb.weight.sum() == 4
             for g in mb.groups:
                 rows = g.rows[g.valid]
-                assert all(bucket_width(int(lengths[r]), 576) == g.width for r in rows)
-                assert len(g.rows) == group_rows(len(rows), 1, 4)
+                assert bucket_width(int(lengths[rows].max()), 576) == g.width
+                assert len(g.rows) == group_rows(g.width, 4, 1)
                 assert set(g.rows[~g.valid]) <= set(rows)
                 assert all(mb.weight[r] == 1.0 for r in rows)
                 seen += list(rows)
+            firsts = [lengths[g.rows[0]] for g in mb.groups]
+            assert firsts == sorted(firsts, reverse=True)  # longest rows first
         assert sorted(seen) == list(range(8))
     # The whole batch at 576 columns would be 8 x 576 cells per epoch; the groups pay less.
     assert plan_cells(plan) < 0.6 * 2 * 8 * 576

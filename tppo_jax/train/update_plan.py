@@ -3,14 +3,14 @@
 A rollout's rows are long-tailed: a few reach the full buffer while most stop within a
 window or two. Cutting the whole batch to its longest row made every row pay for the longest
 one, and self-attention's cost grows with the square of the width (on CPU, one 512-wide
-update cost 3.4x a 256-wide one). So each minibatch is split into *row groups*, one per
-width bucket: each group runs at the width its longest row needs, and the gradients of a
+update cost 3.4x a 256-wide one). So each minibatch is split into *row groups*, longest rows
+first: each group runs at the width bucket its longest row needs, and the gradients of a
 minibatch's groups add up to the minibatch's gradient exactly (the losses divide by the
 whole minibatch's token count, see ``algo.aggregate``'s ``denom``).
 
-Shapes stay few: widths are ``buckets.width_buckets``, and a group's row count is rounded
-up to ``unit * 2^k`` (padding rows carry no mask), so a run compiles at most
-(#widths x #row buckets) group shapes.
+Shapes stay few: widths are ``buckets.width_buckets`` and each width has one row count
+(``group_rows``; padding rows carry no mask), so a run compiles one group shape per width
+bucket, as many as the one-width update did.
 """
 
 from __future__ import annotations
@@ -41,31 +41,37 @@ class Minibatch:
     groups: tuple[RowGroup, ...]
 
 
-def group_rows(n: int, unit: int, cap: int) -> int:
-    """Rows of a group holding ``n``: the smallest ``unit * 2^k >= n``, at most ``cap``
-    rounded up to a multiple of ``unit`` (``unit``: the mesh's data-parallel ways)."""
-    r = unit
-    while r < n:
-        r *= 2
-    return min(r, -(-cap // unit) * unit)
+# A row group holds at most (minibatch rows x GROUP_COLUMNS) token cells, or one row: at the
+# shortest widths a whole minibatch, at the longest a row or two. Fewer cells per group would
+# mean more, smaller dispatches; more would let short rows ride along at long widths.
+GROUP_COLUMNS = 64
+
+
+def group_rows(width: int, max_rows: int, unit: int) -> int:
+    """Rows of every group ``width`` columns wide: ``max_rows * GROUP_COLUMNS // width``,
+    between 1 and ``max_rows``, rounded up to a multiple of ``unit`` (the mesh's batch ways).
+    One row count per width: a run compiles one group shape per width bucket."""
+    r = max(1, min(max_rows, max_rows * GROUP_COLUMNS // width))
+    return -(-r // unit) * unit
 
 
 def plan_minibatch(rows: np.ndarray, lengths: np.ndarray, batch: int, *, max_rows: int,
                    unit: int, cap: int) -> Minibatch:
-    """The row groups of one minibatch: ``rows`` split by the width bucket of their
-    ``lengths`` (columns in use), each bucket in chunks of at most ``max_rows`` rows."""
+    """The row groups of one minibatch: its rows longest first, each group the next
+    ``group_rows(w)`` of them at the width bucket ``w`` of the longest (so a group's shorter
+    rows fill room its width pays for anyway); the last group is padded."""
     weight = np.zeros(batch, np.float32)
     weight[rows] = 1.0
-    widths = np.array([bucket_width(int(lengths[r]), cap) for r in rows], np.int64)
-    groups = []
-    for w in sorted(set(widths.tolist())):
-        members = rows[widths == w]
-        for i in range(0, len(members), max_rows):
-            chunk = members[i:i + max_rows]
-            r = max(group_rows(len(chunk), unit, max_rows), len(chunk))
-            pad = np.full(r - len(chunk), chunk[0], np.int64)
-            groups.append(RowGroup(np.concatenate([chunk, pad]).astype(np.int32),
-                                   np.arange(r) < len(chunk), int(w)))
+    order = rows[np.argsort(-lengths[rows], kind="stable")]
+    groups, i = [], 0
+    while i < len(order):
+        w = bucket_width(int(lengths[order[i]]), cap)
+        r = group_rows(w, max_rows, unit)
+        chunk = order[i:i + r]
+        i += len(chunk)
+        pad = np.full(r - len(chunk), chunk[0], np.int64)
+        groups.append(RowGroup(np.concatenate([chunk, pad]).astype(np.int32),
+                               np.arange(r) < len(chunk), w))
     return Minibatch(weight, tuple(groups))
 
 
@@ -79,7 +85,7 @@ def plan_update(lengths: np.ndarray, *, minibatches: int, epochs: int, grad_accu
     Args:
       lengths: ``[B]`` columns each row uses (prompt + response so far).
       grad_accum: a group holds at most ``ceil(minibatch rows / grad_accum)`` rows
-        (activation memory of one group at a time).
+        (``max_rows``: activation memory of one group at a time).
       unit: row counts are multiples of it (the batch axes' size on the mesh).
       cap: the widest width (the token buffer's).
     Returns ``epochs * minibatches`` minibatches (one with no rows has no groups).
