@@ -62,6 +62,8 @@ def test_plan_groups_rows_by_width_bucket():
     sub = plan_update(lengths, minibatches=2, epochs=1, grad_accum=1, unit=1, cap=576,
                       rows=np.array([1, 6]))
     assert [sorted(g.rows[g.valid]) for mb in sub for g in mb.groups] == [[1], [6]]
+    # ... in groups sized by the whole batch's minibatch (4 rows), whatever the subset's size.
+    assert [len(g.rows) for mb in sub for g in mb.groups] == [4, 1]
     empty = plan_update(lengths, minibatches=2, epochs=1, grad_accum=1, unit=1, cap=576,
                         rows=np.array([3]))
     assert len(empty) == 2 and empty[1].groups == ()

@@ -84,7 +84,7 @@ def plan_update(lengths: np.ndarray, *, minibatches: int, epochs: int, grad_accu
 
     Args:
       lengths: ``[B]`` columns each row uses (prompt + response so far).
-      grad_accum: a group holds at most ``ceil(minibatch rows / grad_accum)`` rows
+      grad_accum: a group holds at most ``ceil(B / (minibatches * grad_accum))`` rows
         (``max_rows``: activation memory of one group at a time).
       unit: row counts are multiples of it (the batch axes' size on the mesh).
       cap: the widest width (the token buffer's).
@@ -92,8 +92,9 @@ def plan_update(lengths: np.ndarray, *, minibatches: int, epochs: int, grad_accu
     """
     b = len(lengths)
     rows = np.arange(b) if rows is None else np.asarray(rows, np.int64)
-    per_mb = -(-len(rows) // minibatches) if len(rows) else 1
-    max_rows = max(-(-per_mb // grad_accum), 1)
+    # Group sizes come from the whole batch's minibatch size even when ``rows`` is a subset
+    # (the critic's finished rows, a different count every step): one shape per width.
+    max_rows = max(-(-b // (minibatches * grad_accum)), 1)
     out = []
     for e in range(epochs):
         order = rows if shuffle is None else rows[np.argsort(shuffle[rows, e], kind="stable")]
