@@ -5,8 +5,9 @@ AdamW step.
 The host loop only dispatches: the plan comes from host arrays (row lengths, shuffle keys)
 and every device value stays on device, so the trainer still dispatches the policy and value
 updates back to back without waiting on either (jax's async dispatch), as T-PPO prescribes.
-The jitted pieces (row gather, group gradient, sum, apply, stats) compile once per shape:
-one per (rows, width) group shape for the gradient, once for the rest.
+The jitted pieces (row gather, group gradient, sum, apply, stats) compile once per shape: the
+gradient once per width bucket (each width has one group size), the gather per (group
+width, batch width), the rest once.
 """
 
 from __future__ import annotations
