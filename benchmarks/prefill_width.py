@@ -57,16 +57,31 @@ def _time(sched, warmup: int, steps: int) -> tuple[list[float], list[np.ndarray]
     return times, tokens
 
 
-def run(args: argparse.Namespace) -> dict:
+def warm_started(args: argparse.Namespace):
+    """``(cfg, tokenizer, policy, prompt rows, prompt encoder)`` for ``args.config``: the
+    cached warm-start under ``args.out``'s ``runs/`` (as tppo-vs-ppo), the trainer's rows."""
     from tppo_jax.config import load_config
     from tppo_jax.train.setup import prompt_rows
     from tppo_jax.train.warmstart import warmstart
 
     cfg = load_config(args.config, args.overrides)
     stem = Path(args.config).stem
-    runs = Path(args.out) / "runs" / ("" if stem == "default" else stem)  # as tppo-vs-ppo
+    runs = Path(args.out) / "runs" / ("" if stem == "default" else stem)
     tok, model, _ = warmstart(cfg, runs, progress=not args.no_progress)
-    examples, _, encode = prompt_rows(cfg, tok)  # the trainer's rows and prompt encoder
+    examples, _, encode = prompt_rows(cfg, tok)
+    return cfg, tok, model, examples, encode
+
+
+def write_result(out: dict, results_dir: str, name: str) -> dict:
+    """Writes ``out`` to ``results_dir/name`` (JSON) and returns it."""
+    path = Path(results_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    cfg, tok, model, examples, encode = warm_started(args)
     L = cfg.rollout.max_response_len
     out: dict = {"config": args.config, "slots": cfg.rollout.slots, "L": L,
                  "buffer": cfg.rollout.max_prompt_len + L, "steps": args.steps, "methods": {}}
@@ -85,10 +100,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"{name}: rollout {res['full_width']['rollout_s_median']:.3f} s/step (full width) "
               f"-> {res['bucketed']['rollout_s_median']:.3f} s/step (bucketed), "
               f"{res['speedup']:.2f}x; identical tokens: {same}")
-    path = Path(args.out) / "prefill_width.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    return out
+    return write_result(out, args.out, "prefill_width.json")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -21,10 +21,8 @@ relative difference reported). Writes ``results/update_groups.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -84,23 +82,17 @@ def run(args: argparse.Namespace) -> dict:
     import jax
     import jax.numpy as jnp
     from flax import nnx
+    from tppo_jax.benchmarks.prefill_width import warm_started, write_result
 
-    from tppo_jax.config import load_config
     from tppo_jax.models.value import ValueModel
     from tppo_jax.parallel.mesh import make_mesh
     from tppo_jax.train.batch import batch_arrays, shuffle_keys
-    from tppo_jax.train.setup import prompt_rows
     from tppo_jax.train.shapes import CompileWatch
     from tppo_jax.train.state import commit_to_mesh
     from tppo_jax.train.step import StepConfig, make_optimizer, targets_on_mesh
     from tppo_jax.train.update import make_updater, plan_cells
-    from tppo_jax.train.warmstart import warmstart
 
-    cfg = load_config(args.config, args.overrides)
-    stem = Path(args.config).stem
-    runs = Path(args.out) / "runs" / ("" if stem == "default" else stem)  # as tppo-vs-ppo
-    tok, model, _ = warmstart(cfg, runs, progress=not args.no_progress)
-    examples, _, encode = prompt_rows(cfg, tok)
+    cfg, tok, model, examples, encode = warm_started(args)
     r, L = cfg.rollout, cfg.rollout.max_response_len
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
     pdef, p0 = nnx.split(model)
@@ -158,10 +150,7 @@ def run(args: argparse.Namespace) -> dict:
               f"width) -> {summary['update_s_median']['grouped']:.2f} s/step (row groups), "
               f"{summary['speedup']:.2f}x; policy cells {res['cells']['fullwidth']} -> "
               f"{res['cells']['grouped']}; max relative weight difference {diff:.1e}")
-    path = Path(args.out) / "update_groups.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2))
-    return out
+    return write_result(out, args.out, "update_groups.json")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
