@@ -61,7 +61,7 @@ def _update(fns, policy, value, opts, arrays, lengths, finished, shuffle):
 
     targets_fn, pol, val = fns
     t0 = time.perf_counter()
-    batch = {**arrays, **targets_fn(value, arrays)}
+    batch = {**arrays, **targets_fn(value, arrays, lengths=lengths)}
     w = int(arrays["tokens"].shape[1])
     policy, _, _ = pol(policy, opts[0], batch, plan=pol.plan(lengths, w, shuffle))
     if len(finished):
@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> dict:
     from tppo_jax.train.batch import batch_arrays, shuffle_keys
     from tppo_jax.train.shapes import CompileWatch
     from tppo_jax.train.state import commit_to_mesh
-    from tppo_jax.train.step import StepConfig, make_optimizer, targets_on_mesh
+    from tppo_jax.train.step import StepConfig, make_optimizer
+    from tppo_jax.train.targets import make_targets
     from tppo_jax.train.update import make_updater, plan_cells
 
     cfg, tok, model, examples, encode = warm_started(args)
@@ -107,7 +108,7 @@ def run(args: argparse.Namespace) -> dict:
         scfg = StepConfig(algo=cfg.algo, optim=cfg.optim, window=min(window, L),
                           temperature=r.temperature if r.temperature > 0 else 1.0)
         opt_p, opt_v = commit_to_mesh(tx_p.init(p0), mesh), commit_to_mesh(tx_v.init(v0), mesh)
-        fns = (targets_on_mesh(mesh, vdef, v0, scfg),
+        fns = (make_targets(vdef, scfg, mesh=mesh, params=v0),
                make_updater("policy", pdef, tx=tx_p, cfg=scfg, mesh=mesh, params=p0,
                             opt_state=opt_p),
                make_updater("value", vdef, tx=tx_v, cfg=scfg, mesh=mesh, params=v0,

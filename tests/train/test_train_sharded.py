@@ -15,7 +15,8 @@ from tppo_jax.config import AlgoConfig, OptimConfig
 from tppo_jax.models.transformer import ModelConfig, create_model, param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel.mesh import batch_sharding, make_mesh
-from tppo_jax.train.step import StepConfig, make_optimizer, rollout_targets, targets_on_mesh
+from tppo_jax.train.step import StepConfig, make_optimizer, rollout_targets
+from tppo_jax.train.targets import make_targets
 from tppo_jax.train.update import make_updater
 
 B, P, W = 8, 4, 8
@@ -61,7 +62,7 @@ def _run(mesh):
     pol_fn = make_updater("policy", pdef, tx=tx_p, cfg=scfg)
     val_fn = make_updater("value", vdef, tx=tx_v, cfg=scfg)
     if mesh is not None:  # the trainer's path: shardings declared in and out
-        targets_fn = targets_on_mesh(mesh, vdef, vp, scfg)
+        targets_fn = make_targets(vdef, scfg, mesh=mesh, params=vp)
         pol_fn = make_updater("policy", pdef, tx=tx_p, cfg=scfg, mesh=mesh, params=pp,
                               opt_state=op)
         val_fn = make_updater("value", vdef, tx=tx_v, cfg=scfg, mesh=mesh, params=vp,

@@ -227,7 +227,7 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
     cfg, rb, fns, sched = run.cfg, roll.rb, run.steps, run.sched
     arrays = batch_arrays(rb, roll.reward, roll.correct, run.mesh, roll.token_rewards)
     plan = row_plan(rb, shuffle_keys(cfg, step, sched.B))
-    targets = fns.targets(state.value, arrays)
+    targets = fns.targets(state.value, arrays, lengths=plan.lengths)
     train_batch = {**arrays, **targets}
     if hooks.before_update is not None:
         train_batch = hooks.before_update(step, train_batch)

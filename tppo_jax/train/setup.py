@@ -37,7 +37,8 @@ from tppo_jax.train.metrics import MetricsWriter
 from tppo_jax.train.run_dir import RunDir, pull, resolve_run_dir
 from tppo_jax.train.shapes import CompileWatch, enable_compile_cache
 from tppo_jax.train.state import TrainState, commit_to_mesh
-from tppo_jax.train.step import StepConfig, make_optimizer, targets_on_mesh
+from tppo_jax.train.step import StepConfig, make_optimizer
+from tppo_jax.train.targets import Targets, make_targets
 from tppo_jax.train.update import Updater, make_updater
 from tppo_jax.train.warmstart import RUN_SUBDIR, run_warmstart, synthetic_task
 
@@ -58,7 +59,7 @@ class Models:
 class Steps:
     """The jitted steps on the mesh and the compile watch over them."""
 
-    targets: Callable  # (value params, batch) -> critic targets + advantages
+    targets: Targets  # (value params, batch, lengths=) -> critic targets + advantages
     policy: Updater  # (policy params, opt state, batch, ...) -> (params, opt state, stats)
     value: Updater  # (value params, opt state, batch, ...) -> (params, opt state, stats)
     watch: CompileWatch
@@ -199,13 +200,14 @@ def build_steps(run: Run, state: TrainState, tx_p: Any, tx_v: Any) -> Steps:
     scfg = StepConfig(algo=run.cfg.algo, optim=run.cfg.optim,
                       window=min(r.window, r.max_response_len),
                       temperature=r.temperature if r.temperature > 0 else 1.0)
-    targets_fn = targets_on_mesh(mesh, m.value_def, state.value, scfg)
+    targets_fn = make_targets(m.value_def, scfg, mesh=mesh, params=state.value)
     policy_fn = make_updater("policy", m.policy_def, tx=tx_p, cfg=scfg, mesh=mesh,
                              params=state.policy, opt_state=state.policy_opt)
     value_fn = make_updater("value", m.value_def, tx=tx_v, cfg=scfg, mesh=mesh,
                             params=state.value, opt_state=state.value_opt)
-    # A gradient compiles once per row-group shape (rows x width bucket); the rest once.
-    watch = CompileWatch({"rollout_targets": targets_fn, "policy_update": policy_fn.grads,
+    # The critic's forward and a gradient compile once per row-group shape (rows x width
+    # bucket); the rest once.
+    watch = CompileWatch({"rollout_targets": targets_fn.values, "policy_update": policy_fn.grads,
                           "value_update": value_fn.grads})
     return Steps(targets_fn, policy_fn, value_fn, watch)
 

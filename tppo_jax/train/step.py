@@ -1,4 +1,4 @@
-"""T-PPO's pure pieces: the optimizer, advantage/target computation (``rollout_targets``),
+"""T-PPO's pure pieces: the optimizer, advantage/target computation (``compute_targets``),
 the policy and value losses of one row group, and the guarded optimizer step. All formulas
 come from ``tppo_jax.algo``; ``train/update.py`` composes these into the updates.
 
@@ -204,15 +204,34 @@ def guarded_apply(tx: optax.GradientTransformation, grads: Any, opt_state: Any, 
     return keep(new_params, params), keep(new_opt, opt_state), active & ~finite
 
 
+def targets_with_values(values: jax.Array, batch: dict[str, jax.Array], cfg: StepConfig
+                        ) -> dict[str, jax.Array]:
+    """``compute_targets`` plus ``values_old`` (``values [B, S]``, the rollout-time critic)."""
+    return dict(compute_targets(values, batch, cfg), values_old=values)
+
+
+def group_values(graphdef: Any, value_params: Any, group: dict[str, jax.Array]) -> jax.Array:
+    """The critic's ``V(s_t)`` over one row group: ``group`` ``[R, W]`` ``tokens, attn`` ->
+    ``[R, W]``."""
+    return critic_token_values(nnx.merge(graphdef, value_params), group["tokens"],
+                               group["attn"])
+
+
+def put_rows(values: jax.Array, part: jax.Array, rows: jax.Array, valid: jax.Array
+             ) -> jax.Array:
+    """``values [B, S]`` with rows ``rows [R]``, columns ``:W``, set to ``part [R, W]``
+    (padding rows, ``valid`` False, dropped)."""
+    idx = jnp.where(valid, rows, values.shape[0])
+    return values.at[idx, :part.shape[1]].set(part, mode="drop")
+
+
 @partial(jax.jit, static_argnames=("graphdef", "cfg"))
 def rollout_targets(graphdef: Any, value_params: Any, batch: dict[str, jax.Array], *,
                     cfg: StepConfig) -> dict[str, jax.Array]:
-    """Critic forward at rollout time, then ``compute_targets``; adds ``values_old``."""
-    critic = nnx.merge(graphdef, value_params)
-    values = critic_token_values(critic, batch["tokens"], batch["attn"])
-    out = compute_targets(values, batch, cfg)
-    out["values_old"] = values
-    return out
+    """Critic forward at rollout time over the whole ``[B, S]`` buffer, then the targets
+    (the one-width reference of ``train/targets.py``'s row groups)."""
+    values = group_values(graphdef, value_params, batch)
+    return targets_with_values(values, batch, cfg)
 
 
 def batch_spec(mesh) -> NamedSharding:
@@ -227,11 +246,3 @@ def placed(tree: Any, mesh) -> Any:
     rep = NamedSharding(mesh, PartitionSpec())
     return jax.tree.map(lambda x: x.sharding if isinstance(x.sharding, NamedSharding)
                         and x.sharding.mesh == mesh else rep, tree)
-
-
-def targets_on_mesh(mesh, graphdef: Any, params: Any, cfg: StepConfig):
-    """``rollout_targets`` re-jitted for this mesh: params in as placed now, every batch
-    array in and out split over the batch axes. Returns ``f(params, batch)``."""
-    fn = partial(rollout_targets.__wrapped__, graphdef, cfg=cfg)
-    return jax.jit(fn, in_shardings=(placed(params, mesh), batch_spec(mesh)),
-                   out_shardings=batch_spec(mesh))

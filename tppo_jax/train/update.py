@@ -36,10 +36,12 @@ from tppo_jax.train.update_plan import Minibatch, plan_update
 
 Kind = Literal["policy", "value"]
 
-# The arrays each update's loss reads, and which of them are masks (zeroed on padding rows).
+# The arrays each update's loss (and the critic's targets pass, ``train/targets.py``)
+# reads, and which of them are masks (zeroed on padding rows).
 KEYS = {"policy": ("tokens", "attn", "sample_logprobs", "advantages", "policy_mask",
                    "positive_mask"),
-        "value": ("tokens", "attn", "values_old", "returns", "value_mask")}
+        "value": ("tokens", "attn", "values_old", "returns", "value_mask"),
+        "targets": ("tokens", "attn")}
 MASKS = {"policy_mask", "positive_mask", "value_mask"}
 
 # The ratio statistics of the first minibatch, before this step changed the policy: with the
@@ -50,7 +52,7 @@ MAX_STATS = ("log_ratio_absmax",)  # combined over groups and minibatches by max
 
 
 def take_rows(batch: dict[str, jax.Array], rows: jax.Array, valid: jax.Array, *,
-              width: int, kind: Kind) -> dict[str, jax.Array]:
+              width: int, kind: str) -> dict[str, jax.Array]:
     """``[R, width]`` row group of the ``[B, S]`` batch: rows ``rows``, columns ``:width``;
     the masks are zero on padding rows (``valid`` False)."""
     out = {}

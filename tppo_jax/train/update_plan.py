@@ -47,6 +47,12 @@ class Minibatch:
 GROUP_COLUMNS = 64
 
 
+def max_group_rows(batch: int, minibatches: int, grad_accum: int) -> int:
+    """The most rows a group holds: one minibatch's rows over ``grad_accum`` (the activation
+    memory of one group at a time), always from the whole batch's size ``batch``."""
+    return max(-(-batch // (minibatches * grad_accum)), 1)
+
+
 def group_rows(width: int, max_rows: int, unit: int) -> int:
     """Rows of every group ``width`` columns wide: ``max_rows * GROUP_COLUMNS // width``,
     between 1 and ``max_rows``, rounded up to a multiple of ``unit`` (the mesh's batch ways).
@@ -94,7 +100,7 @@ def plan_update(lengths: np.ndarray, *, minibatches: int, epochs: int, grad_accu
     rows = np.arange(b) if rows is None else np.asarray(rows, np.int64)
     # Group sizes come from the whole batch's minibatch size even when ``rows`` is a subset
     # (the critic's finished rows, a different count every step): one shape per width.
-    max_rows = max(-(-b // (minibatches * grad_accum)), 1)
+    max_rows = max_group_rows(b, minibatches, grad_accum)
     out = []
     for e in range(epochs):
         order = rows if shuffle is None else rows[np.argsort(shuffle[rows, e], kind="stable")]

@@ -1,0 +1,75 @@
+"""The critic's targets pass run as row groups (``train/targets.py``) gives the targets of one
+forward over the whole buffer (``step.rollout_targets``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from tppo_jax.config import AlgoConfig, OptimConfig
+from tppo_jax.models.transformer import ModelConfig, create_model
+from tppo_jax.models.value import ValueModel
+from tppo_jax.train.step import StepConfig, rollout_targets
+from tppo_jax.train.targets import make_targets
+
+P, WINDOW, S = 6, 16, 96
+
+
+def _window_batch(lengths, seed=0):
+    """Rows of ``P`` prompt tokens + responses; each row's current window is its last
+    ``<= WINDOW`` response tokens (T-PPO's layout: continuing rows keep their prefix)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths)
+    b = len(lengths)
+    attn = np.arange(S)[None] < lengths[:, None]
+    wlen = np.minimum(lengths - P, rng.integers(1, WINDOW + 1, b))
+    return {"tokens": jnp.asarray(np.where(attn, rng.integers(2, 30, (b, S)), 0), jnp.int32),
+            "attn": jnp.asarray(attn), "prompt_len": jnp.full(b, P, jnp.int32),
+            "window_start": jnp.asarray(lengths - wlen, jnp.int32),
+            "window_len": jnp.asarray(wlen, jnp.int32),
+            "finished": jnp.asarray(rng.random(b) < 0.6),
+            "reward": jnp.asarray(rng.choice([-1.0, 1.0], b), jnp.float32),
+            "correct": jnp.asarray(rng.random(b) < 0.5)}
+
+
+@pytest.mark.parametrize("lam_critic", [1.0, 0.9])
+def test_grouped_targets_equal_one_full_width_pass(lam_critic):
+    """Rows of 8..96 columns over 3 width buckets, in groups of 2-4 rows: every target
+    (advantages, returns, masks, ``values_old``) equals the one-width pass's, values past a
+    row's end included (zero there; every mask is zero there too)."""
+    critic = ValueModel.from_policy(create_model(ModelConfig.tiny(vocab_size=32)))
+    gd, st = nnx.split(critic)
+    params = nnx.to_pure_dict(st)
+    lengths = np.array([90, 8, 40, 12, 70, 33, 9, 20])
+    batch = _window_batch(lengths)
+    cfg = StepConfig(algo=AlgoConfig(lam_critic=lam_critic), optim=OptimConfig(minibatches=2),
+                     window=WINDOW, temperature=1.0)
+    targets = make_targets(gd, cfg)
+    groups = targets.plan(lengths, S)
+    assert len({g.width for g in groups}) == 3
+    assert sorted(np.concatenate([g.rows[g.valid] for g in groups])) == list(range(8))
+    got = jax.device_get(targets(params, batch, lengths=lengths))
+    ref = jax.device_get(rollout_targets(gd, params, batch, cfg=cfg))
+    assert got.keys() == ref.keys()
+    inside = np.asarray(batch["attn"])
+    for k, v in ref.items():
+        v = np.where(inside, v, 0.0) if k == "values_old" else v
+        np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    assert np.abs(ref["advantages"]).max() > 0 and np.abs(ref["returns"]).max() > 0
+
+
+def test_grouped_targets_compile_once_per_group_shape():
+    """Two batches of different lengths over the same width buckets reuse the critic's
+    executables: one per (rows, width) group shape."""
+    critic = ValueModel.from_policy(create_model(ModelConfig.tiny(vocab_size=32)))
+    gd, st = nnx.split(critic)
+    params = nnx.to_pure_dict(st)
+    cfg = StepConfig(algo=AlgoConfig(), optim=OptimConfig(minibatches=2), window=WINDOW,
+                     temperature=1.0)
+    targets = make_targets(gd, cfg)
+    for lengths in ([90, 8, 40, 12, 70, 33, 9, 20], [80, 10, 50, 14, 66, 30, 7, 25]):
+        targets(params, _window_batch(lengths), lengths=np.array(lengths))
+    shapes = {(len(g.rows), g.width) for g in targets.plan(np.array([90, 8, 40, 12, 70, 33,
+                                                                      9, 20]), S)}
+    assert targets.values._cache_size() == len(shapes)
