@@ -72,3 +72,11 @@ def test_corpus_rows_start_with_the_prompt_ids_a_rollout_sees(tmp_path):
         assert row[n - 1] == tok.eos_id and m[:len(head)].sum() == 0 and m[len(head):n].all()
         assert tok.decode(row[len(head):n - 1].tolist()) == solution
     assert merged > 0  # the case the rows guard against does occur on this task
+
+
+def test_the_held_out_size_does_not_change_the_warmstart_key():
+    """A bigger held-out set reuses the warm-start (the teacher corpus is the train split);
+    the task's own knobs still change it."""
+    base = load_config("longtail")
+    assert warmstart_key(base) == warmstart_key(load_config("longtail", ["data.eval_size=256"]))
+    assert warmstart_key(base) != warmstart_key(load_config("longtail", ["data.max_value=41"]))
