@@ -48,6 +48,7 @@ def summarize_run(run_dir: Path, target: float, slots: int | None = None) -> dic
     roll = max(split["rollout"], 1e-9)
     wall = steps[-1]["train_time_s"] if steps else 0.0
     return {
+        "budget_s": _run_budget(run_dir),
         "time_to_target_s": train_time.get(hit["step"]) if hit else None,
         "steps_to_target": hit["step"] if hit else None,
         "final_eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
@@ -69,6 +70,14 @@ def summarize_run(run_dir: Path, target: float, slots: int | None = None) -> dic
         "curve": _before(run_dir) + [(train_time.get(r["step"], 0.0), r["eval_accuracy"])
                                      for r in evals],
     }
+
+
+def _run_budget(run_dir: Path) -> float | None:
+    """The run's own ``train.time_budget_s`` (its ``config.yaml``), not this call's flag."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    return yaml.safe_load(path.read_text())["train"]["time_budget_s"] if path.exists() else None
 
 
 def _before(run_dir: Path) -> list[tuple[float, float]]:
@@ -121,6 +130,10 @@ def run(args: argparse.Namespace) -> dict:
         results["seeds"][str(seed)] = per
         print(f"seed {seed}: T-PPO {t} s, PPO {p} s, speedup {per['speedup']}, "
               f"throughput ratio {per['throughput_ratio']}")
+    if args.summarize_only:  # the budget the runs had, not this call's --budget-s
+        budgets = {r[m]["budget_s"] for r in results["seeds"].values() for m in METHODS}
+        results["budget_s"] = budgets.pop() if len(budgets) == 1 else sorted(
+            b for b in budgets if b is not None)
     results["median"] = _medians(results["seeds"])
     results["lengths"] = _length_report(runs, load_config(args.config))
     out_dir.mkdir(parents=True, exist_ok=True)
