@@ -48,6 +48,7 @@ class Targets:
     values: Callable  # the one that compiles per group shape
     put: Callable
     finish: Callable
+    blank: Callable  # zeros like ``attn [B, S]``, of a given dtype
 
     def plan(self, lengths: np.ndarray, width: int) -> tuple[RowGroup, ...]:
         """Every row once, longest first, in groups as one minibatch of the update holds
@@ -60,12 +61,11 @@ class Targets:
                  lengths: np.ndarray | None = None) -> dict[str, jax.Array]:
         if lengths is None:
             lengths = np.asarray(jax.device_get(batch["attn"].sum(1)))
-        b, s = batch["tokens"].shape
         values = None
-        for g in self.plan(lengths, s):
+        for g in self.plan(lengths, int(batch["tokens"].shape[1])):
             part = self.values(value_params, self.take(batch, g.rows, g.valid, width=g.width))
-            if values is None:
-                values = jnp.zeros((b, s), part.dtype)
+            if values is None:  # made where the batch lives (sharded like a row array)
+                values = self.blank(batch["attn"], part.dtype)
             values = self.put(values, part, g.rows, g.valid)
         return self.finish(values, batch)
 
@@ -79,7 +79,7 @@ def make_targets(graphdef: Any, cfg: StepConfig, *, mesh=None, params: Any = Non
     if mesh is None:
         return Targets(cfg=cfg, unit=1, take=jax.jit(take, static_argnames="width"),
                        values=jax.jit(values), put=jax.jit(put_rows, donate_argnums=0),
-                       finish=jax.jit(finish))
+                       finish=jax.jit(finish), blank=jax.jit(_blank, static_argnums=1))
     from tppo_jax.parallel.mesh import data_parallel_size
 
     rows, rep = batch_spec(mesh), NamedSharding(mesh, PartitionSpec())
@@ -89,4 +89,9 @@ def make_targets(graphdef: Any, cfg: StepConfig, *, mesh=None, params: Any = Non
         values=jax.jit(values, in_shardings=(placed(params, mesh), rows), out_shardings=rows),
         put=jax.jit(put_rows, donate_argnums=0, in_shardings=(rows, rows, rep, rep),
                     out_shardings=rows),
-        finish=jax.jit(finish, in_shardings=(rows, rows), out_shardings=rows))
+        finish=jax.jit(finish, in_shardings=(rows, rows), out_shardings=rows),
+        blank=jax.jit(_blank, static_argnums=1, out_shardings=rows))
+
+
+def _blank(like: jax.Array, dtype: Any) -> jax.Array:
+    return jnp.zeros(like.shape, dtype)
