@@ -17,10 +17,10 @@ regime in which truncated rollouts pay off.
 short question asks for a long worked solution -- the shape of a reasoning trace:
 
     Q: Ann has 40 cards. Each day she gives away 3. How many cards after 4 days?
-    A: day 1: 40 - 3 = 37
-    day 2: 37 - 3 = 34
-    day 3: 34 - 3 = 31
-    day 4: 31 - 3 = 28
+    A: day 1 of 4: 40 - 3 = 37
+    day 2 of 4: 37 - 3 = 34
+    day 3 of 4: 34 - 3 = 31
+    day 4 of 4: 31 - 3 = 28
     \\boxed{28}
 
 The operand shrinks as ``n`` grows so every value stays in ``[0, max_value]``.
@@ -238,7 +238,9 @@ class SyntheticMathTask:
             r = apply_op(v, op, x)
             if i == wrong_step:
                 r = r + delta
-            day = f"day {i + 1}: " if prob.daily else ""
+            # "of n" on every line: a small model copies it from the line above and stops
+            # when the two numbers match, instead of counting lines back to the question.
+            day = f"day {i + 1} of {len(prob.steps)}: " if prob.daily else ""
             lines.append(f"{day}{_fmt(v)} {op} {x} = {_fmt(r)}")
             v = r
         return lines, v

@@ -61,7 +61,9 @@ def warmstart_key(cfg: Config) -> str:
                        "train": [t.warmstart_steps, t.warmstart_lr, t.warmstart_batch,
                                  *batching],
                        "teacher": [cfg.train.warmstart_wrong_step_frac,
-                                   cfg.train.warmstart_no_format_frac, TEACHER_SIZE], "v": 3},
+                                   cfg.train.warmstart_no_format_frac, TEACHER_SIZE],
+                       # v4: daily lines read "day k of n:"
+                       "v": 4 if cfg.data.style == "daily" else 3},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
