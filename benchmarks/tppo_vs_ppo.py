@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> dict:
             per[method] = summarize_run(run_dir, args.target, base.rollout.slots)
         t, p = per["tppo"]["time_to_target_s"], per["ppo"]["time_to_target_s"]
         per["speedup"] = _ratio(p, t)
+        per["speedup_bounds"] = _speedup_bounds(per["tppo"], per["ppo"])
         per["throughput_ratio"] = _ratio(per["tppo"]["finished_per_s"],
                                          per["ppo"]["finished_per_s"])
         results["seeds"][str(seed)] = per
@@ -161,6 +162,30 @@ def _train_run(args: argparse.Namespace, L: int, seed: int, method: str, run_dir
     train(cfg, run_dir, progress=not args.no_progress)
 
 
+def _speedup_bounds(tppo: dict, ppo: dict) -> list[float | None]:
+    """``[low, high]`` bounds on PPO / T-PPO time to target when a run stopped first: a run
+    that never reached the target would have taken longer than its last eval's clock.
+    ``None`` = unbounded (neither reached). Equal to the speedup when both reached it."""
+    t, p = tppo["time_to_target_s"], ppo["time_to_target_s"]
+    last = lambda run: run["curve"][-1][0] if run["curve"] else None  # noqa: E731
+    if t and p:
+        return [p / t, p / t]
+    if p and last(tppo):  # T-PPO slower than its whole run
+        return [0.0, p / last(tppo)]
+    if t and last(ppo):  # PPO slower than its whole run
+        return [last(ppo) / t, None]
+    return [0.0, None]
+
+
+def _median_bounds(bounds: list[list[float | None]]) -> list[float | None]:
+    """Bounds on the median speedup over seeds (the median is monotone in every seed's
+    value, so the medians of the seeds' low and high bounds bound it)."""
+    inf = float("inf")
+    lo = statistics.median(b[0] for b in bounds)
+    hi = statistics.median(inf if b[1] is None else b[1] for b in bounds)
+    return [lo, None if hi == inf else hi]
+
+
 def _medians(seeds: dict) -> dict:
     """Medians over seeds of the headline numbers (seeds where a value is None left out)."""
     def med(xs):
@@ -174,6 +199,9 @@ def _medians(seeds: dict) -> dict:
         "speedup": med(speedups),
         "speedup_min": min(speedups) if speedups else None,
         "speedup_max": max(speedups) if speedups else None,
+        # Where a run stopped before the target: the interval the median speedup lies in.
+        "speedup_bounds": (_median_bounds([s["speedup_bounds"] for s in per])
+                           if all("speedup_bounds" in s for s in per) else None),
         "throughput_ratio": med(s["throughput_ratio"] for s in per),
     }
     for key in ("finished_per_s", "useful_tokens_per_s", "occupancy_mean", "train_time_s",

@@ -37,3 +37,17 @@ def test_summary_hand_values(tmp_path):
     assert med["finished_per_s"] == {"tppo": 3.0, "ppo": 3.0}
     assert _out_name("default") == "tppo_vs_ppo"
     assert _out_name("longtail") == _out_name("configs/longtail.yaml") == "tppo_vs_ppo_longtail"
+
+
+def test_speedup_bounds_when_a_run_stops_first():
+    """PPO reached the target at 200 s; T-PPO had not by its last eval at 600 s: the speedup
+    is at most 1/3. The median's bounds come from the seeds' bounds."""
+    from tppo_jax.benchmarks.tppo_vs_ppo import _median_bounds, _speedup_bounds
+
+    run = lambda t: {"time_to_target_s": t, "curve": [(0.0, 40.0), (600.0, 50.0)]}  # noqa: E731
+    assert _speedup_bounds(run(None), run(200.0)) == [0.0, pytest.approx(1 / 3)]
+    assert _speedup_bounds(run(150.0), run(None)) == [4.0, None]
+    assert _speedup_bounds(run(100.0), run(200.0)) == [2.0, 2.0]
+    assert _speedup_bounds(run(None), run(None)) == [0.0, None]
+    assert _median_bounds([[0.0, 0.5], [2.0, 2.0], [0.0, None]]) == [0.0, 2.0]
+    assert _median_bounds([[0.0, None], [0.0, None], [1.0, 1.0]]) == [0.0, None]
