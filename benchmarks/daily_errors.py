@@ -17,6 +17,12 @@ import argparse
 import collections
 import re
 
+import sympy
+
+from tppo_jax.data.synthetic import apply_op
+
+# ``Problem.question`` and ``SyntheticMathTask.solve`` (daily style) written as patterns; the
+# tests check them against generated problems so the two cannot drift apart.
 QUESTION = re.compile(r"has (\d+) \w+\. Each day \w+ (gets|gives away) (\d+)(?: more)?\. "
                       r"How many \w+ after (\d+) days")
 LINE = re.compile(r"day (\d+) of (\d+): (\d+) ([+-]) (\d+) = (\d+)$")
@@ -44,7 +50,7 @@ def first_error(question: str, completion: str) -> str:
             return "start value copied wrong (line 1)" if i == 0 else "carried value wrong"
         if (s, b) != (sign, step):
             return f"step copied wrong ({where})"
-        if c != (a + b if s == "+" else a - b):
+        if c != apply_op(sympy.Integer(a), s, b):
             return f"arithmetic slip ({where})"
         value = c
     if len(lines) != days:

@@ -37,3 +37,17 @@ def test_tally_reads_eval_show_output():
             + block("day 1 of 3: 3 + 2 = 6", "wrong (reward 0)"))
     assert tally(text) == {"correct": 1, "start value copied wrong (line 1)": 1,
                            "arithmetic slip (line 1)": 1}
+
+
+def test_generated_daily_problems_parse_and_classify_as_right():
+    # The patterns restate the generator's question and line formats: its own reference
+    # solutions must read as mistake-free, and a corrupted step as a slip on that line.
+    from tppo_jax.data.synthetic import SyntheticMathTask
+
+    task = SyntheticMathTask(seed=3, difficulty=5.0, max_steps=26, max_operand=2, max_value=40,
+                         style="daily")
+    for prob in task.problems(50):
+        q, (lines, v) = prob.question(), task.solve(prob)
+        assert first_error(q, "\n".join([*lines, f"\\boxed{{{v}}}"])) == "none", q
+        wrong, _ = task.solve(prob, wrong_step=0, delta=1)
+        assert first_error(q, wrong[0]) == "arithmetic slip (line 1)", q
