@@ -90,7 +90,11 @@ class AlgoConfig:
     window_ignore_tokens: int = 8
     loss_aggregation: Literal["token", "sample"] = "token"
     nll_coef: float = 0.1  # mu, positive-example NLL weight; 0 disables
-    critic_warmup_steps: int = 0
+    critic_warmup_steps: int = 0  # first steps train the critic only (inside the budget)
+    # VAPO's value pretraining: critic-only steps on full-length rollouts of the starting
+    # policy before step 1, outside train.time_budget_s, cached beside the run dir so runs
+    # that would pretrain the same critic share it (train/value_pretrain.py); 0 = off
+    value_pretrain_steps: int = 0
     whiten_advantages: bool = True
     advantage_clip: float | None = 10.0
     value_clip_low: float | None = 0.5
@@ -418,6 +422,7 @@ def _check_signs(cfg: Config) -> None:
                  "train.steps": cfg.train.steps, "algo.nll_coef": a.nll_coef,
                  "algo.window_ignore_tokens": a.window_ignore_tokens,
                  "algo.critic_warmup_steps": a.critic_warmup_steps,
+                 "algo.value_pretrain_steps": a.value_pretrain_steps,
                  "rollout.num_pages": r.num_pages, "rollout.top_k": r.top_k,
                  "train.eval_every": cfg.train.eval_every,
                  "train.eval_every_s": cfg.train.eval_every_s,

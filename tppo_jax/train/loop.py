@@ -2,6 +2,7 @@
 
     run, state = setup(cfg)                  # train/setup.py: models, data, scheduler, resume
     evaluate (held out)
+    pretrain the critic (optional)           # train/value_pretrain.py: VAPO, off the clock
     for each step:
         roll = collect(run)                  # one rollout window; grade the rows that finished
         state = update(run, state, roll)     # critic targets + EGAE -> policy and value updates
@@ -30,15 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from tppo_jax.config import Config, TrainConfig
-from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.rewards.grader import overlong_penalty
-from tppo_jax.rollout.scheduler import RolloutBatch
 from tppo_jax.train.batch import batch_arrays, row_plan, shuffle_keys
+from tppo_jax.train.collect import Rollout, collect
 from tppo_jax.train.run_dir import mirror
 from tppo_jax.train.setup import (
     Run,
@@ -51,6 +49,7 @@ from tppo_jax.train.setup import (
 )
 from tppo_jax.train.state import TrainState
 from tppo_jax.train.update import plan_cells
+from tppo_jax.train.value_pretrain import pretrain_value
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +113,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress: b
     with contextlib.ExitStack() as stack:
         run, state = setup(cfg, run_dir, resume=resume, progress=progress, stack=stack)
         before = eval_before(run, state)
+        state = pretrain_value(run, state)  # VAPO; before the clock (algo.value_pretrain_steps)
         t_start = time.time()
         bar = tqdm(range(run.start, cfg.train.steps), desc="T-PPO", dynamic_ncols=True,
                    disable=not (run.progress and run.primary), initial=run.start,
@@ -151,57 +151,6 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress: b
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         mirror(run.rd)
     return summary
-
-
-@dataclass
-class Rollout:
-    """One step's rollout and its grades (this host's rows)."""
-
-    rb: RolloutBatch
-    fin: np.ndarray  # indices of the finished rows
-    reward: np.ndarray  # [B] outcome reward (+ overlong shaping) of finished rows, else 0
-    correct: np.ndarray  # [B] bool
-    counts: dict[str, int]  # grade outcomes by reason
-    samples: list[dict[str, Any]]  # readable records of the first finished rows
-    token_rewards: np.ndarray | None  # [B, S] process rewards, when configured
-    steps_valid: float | None  # all-steps-valid rate of the finished rows
-    idle: int  # slots left empty (paged pool short)
-    t0: float  # when the step began
-    t_roll: float  # seconds in the rollout, compiles included
-    t_grade: float
-    n_roll: int  # rollout-side compiles (decode shapes) and their seconds
-    c_roll: float
-
-
-def collect(run: Run) -> Rollout:
-    """One rollout window over every slot, then grading of the rows that finished."""
-    cfg, tok, sched = run.cfg, run.models.tokenizer, run.sched
-    t0 = time.time()
-    rb = sched.step()
-    idle = int((~sched.state.live).sum())
-    t_roll = time.time() - t0
-    fin = np.flatnonzero(rb.finished)
-    reward = np.zeros(sched.B, np.float32)  # this host's rows
-    correct = np.zeros(sched.B, bool)
-    counts: dict[str, int] = {}
-    samples: list[dict[str, Any]] = []
-    if len(fin):
-        texts = [tok.decode(rb.response_tokens(i)) for i in fin]
-        g = run.grader.grade(texts, [rb.examples[i].answer for i in fin])
-        reward[fin], correct[fin], counts = g.rewards, g.correct, g.counts
-        if cfg.reward.overlong_buffer > 0:  # DAPO soft overlong punishment
-            reward[fin] += overlong_penalty(
-                (rb.total_len - rb.prompt_len)[fin], cfg.rollout.max_response_len,
-                cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
-        samples = sample_rows(tok, rb, fin, texts, reward, g.reasons,
-                              cfg.logging.samples_per_step)
-    token_rewards, steps_valid = None, None
-    if cfg.reward.process != "none" and len(fin):
-        token_rewards, steps_valid = step_process_rewards(cfg, tok, rb, fin)
-    t_grade = time.time() - t0 - t_roll
-    n_roll, c_roll = run.steps.watch.take()
-    return Rollout(rb, fin, reward, correct, counts, samples, token_rewards, steps_valid,
-                   idle, t0, t_roll, t_grade, n_roll, c_roll)
 
 
 @dataclass
@@ -357,39 +306,6 @@ def maybe_checkpoint(run: Run, state: TrainState, *, last: bool) -> None:
             state.step, checkpoint_trees(run, state), checkpoint_meta(run, state.step),
             force=True) and run.primary:
         mirror(run.rd)
-
-
-def sample_rows(tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray, texts: list[str],
-                reward: np.ndarray, reasons: list[str], n: int) -> list[dict[str, Any]]:
-    """The first ``n`` finished rows as readable records (prompt, completion, grade)."""
-    out = []
-    for j, i in enumerate(rows[:n]):
-        prompt = tok.decode(rb.tokens[i, :int(rb.prompt_len[i])], skip_special=False)
-        out.append({"prompt": prompt, "completion": texts[j], "answer": rb.examples[i].answer,
-                    "reward": float(reward[i]), "reason": reasons[j]})
-    return out
-
-
-def step_process_rewards(cfg: Config, tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray
-                         ) -> tuple[np.ndarray, float]:
-    """Dense ``[B, S]`` process rewards for finished ``rows`` and their all-steps-valid rate."""
-    from tppo_jax.rewards.process import process_rewards, step_token_ends
-    from tppo_jax.rewards.step_verifier import verify_solution
-
-    out = np.zeros(rb.tokens.shape, np.float32)
-    valid = []
-    for i in rows:
-        ids = rb.response_tokens(int(i))
-        text = tok.decode(ids)
-        rep = verify_solution(text)
-        valid.append(rep.all_valid)
-        ends = step_token_ends(rep, text, tok, ids)
-        pr = process_rewards([rep], [ends], [len(ids)], mode=cfg.reward.process,
-                             penalty=cfg.reward.process_penalty,
-                             step_bonus=cfg.reward.process_bonus, num_tokens=len(ids))
-        a = int(rb.prompt_len[i])
-        out[i, a:a + len(ids)] = pr[0]
-    return out, float(np.mean(valid)) if valid else 0.0
 
 
 def _merge_counts(per_host: list[dict[str, int]]) -> dict[str, int]:

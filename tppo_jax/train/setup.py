@@ -74,6 +74,7 @@ class Run:
     rd: RunDir  # the run dir: rd.local (a bucket run's local staging copy)
     mesh: Any
     models: Models  # tokenizer and graph defs (the params live in TrainState)
+    train_rows: list[MathExample]
     eval_rows: list[MathExample]
     encode: Callable[[MathExample], list[int]]
     pipeline: PromptPipeline
@@ -132,7 +133,7 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
     train_rows, eval_rows, encode = prompt_rows(cfg, models.tokenizer)
     pipeline = PromptPipeline(train_rows, batch_size=1, seed=cfg.data.seed,
                               shard_index=jax.process_index(), shard_count=jax.process_count())
-    run = Run(cfg, rd, mesh, models, eval_rows, encode, pipeline,
+    run = Run(cfg, rd, mesh, models, train_rows, eval_rows, encode, pipeline,
               SamplingParams(r.temperature, r.top_p, r.top_k), decode_shardings(cfg, models, mesh),
               ckpt, progress)
     tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim)
@@ -182,14 +183,20 @@ def decode_shardings(cfg: Config, models: Models, mesh: Any) -> Any:
         rules=layout_rules("decode")))
 
 
-def make_scheduler(run: Run, state: TrainState) -> TruncatedRolloutScheduler:
+def make_scheduler(run: Run, state: TrainState, *, window: int | None = None,
+                   pipeline: PromptPipeline | None = None, seed: int | None = None
+                   ) -> TruncatedRolloutScheduler:
+    """The run's rollout scheduler; ``window``/``pipeline``/``seed`` replace the config's
+    window, the run's prompt stream and ``train.seed`` (value pretraining's full-length
+    rollouts on a stream of their own)."""
     r, tok = run.cfg.rollout, run.models.tokenizer
-    prompts = (b[0] for b in run.pipeline)
+    prompts = (b[0] for b in (pipeline or run.pipeline))
     return TruncatedRolloutScheduler(
         policy_module(run, state), prompts, run.encode, slots=r.slots,
         group_size=r.group_size, max_prompt_len=r.max_prompt_len,
-        max_response_len=r.max_response_len, window=r.window, eos_ids=tok.eos_ids,
-        sampling=run.sampling, kv_policy=r.kv_policy, seed=run.cfg.train.seed, mesh=run.mesh,
+        max_response_len=r.max_response_len, window=window or r.window, eos_ids=tok.eos_ids,
+        sampling=run.sampling, kv_policy=r.kv_policy,
+        seed=run.cfg.train.seed if seed is None else seed, mesh=run.mesh,
         kv_cache=r.kv_cache, page_size=r.page_size, num_pages=r.num_pages)
 
 
