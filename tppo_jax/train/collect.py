@@ -65,7 +65,7 @@ def collect(run: Run, sched: TruncatedRolloutScheduler | None = None) -> Rollout
         samples = sample_rows(tok, rb, fin, texts, reward, g.reasons,
                               cfg.logging.samples_per_step)
     token_rewards, steps_valid = None, None
-    if cfg.reward.process != "none" and len(fin):
+    if cfg.reward.process != "none":  # unfinished rows' completed lines too
         token_rewards, steps_valid = step_process_rewards(cfg, tok, rb, fin)
     t_grade = time.time() - t0 - t_roll
     n_roll, c_roll = run.steps.watch.take()
@@ -85,22 +85,38 @@ def sample_rows(tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray, texts: list[
 
 
 def step_process_rewards(cfg: Config, tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray
-                         ) -> tuple[np.ndarray, float]:
-    """Dense ``[B, S]`` process rewards for finished ``rows`` and their all-steps-valid rate."""
+                         ) -> tuple[np.ndarray, float | None]:
+    """Dense ``[B, S]`` process rewards and the all-steps-valid rate of the finished ``rows``
+    (None when none finished).
+
+    A finished row is judged over its whole response. An unfinished row is judged over the
+    lines it has completed so far (a cut last line waits for the next window): a step can be
+    checked as soon as its line ends, so T-PPO's policy sees a slip's reward in the window that
+    made it, not only through the critic once the row finishes (the policy trains on the
+    current window only). A step's reward sits at its last token, so it lies in exactly one
+    window; later windows of the row, and the critic's returns when it finishes, see it once.
+    """
     from tppo_jax.rewards.process import process_rewards, step_token_ends
     from tppo_jax.rewards.step_verifier import verify_solution
 
     out = np.zeros(rb.tokens.shape, np.float32)
+    done = np.zeros(len(rb.finished), bool)
+    done[rows] = True
     valid = []
-    for i in rows:
+    for i in np.flatnonzero(rb.window_len > 0):
         ids = rb.response_tokens(int(i))
         text = tok.decode(ids)
+        if not done[i]:
+            text = text[:text.rfind("\n") + 1]  # complete lines only
+            if not text.strip():
+                continue
         rep = verify_solution(text)
-        valid.append(rep.all_valid)
+        if done[i]:
+            valid.append(rep.all_valid)
         ends = step_token_ends(rep, text, tok, ids)
         pr = process_rewards([rep], [ends], [len(ids)], mode=cfg.reward.process,
                              penalty=cfg.reward.process_penalty,
                              step_bonus=cfg.reward.process_bonus, num_tokens=len(ids))
         a = int(rb.prompt_len[i])
         out[i, a:a + len(ids)] = pr[0]
-    return out, float(np.mean(valid)) if valid else 0.0
+    return out, float(np.mean(valid)) if valid else None
