@@ -4,6 +4,7 @@ hosts, and what the updates' plans read (row lengths, finished rows, each epoch'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -12,6 +13,11 @@ from tppo_jax.buckets import bucket_width
 from tppo_jax.config import Config
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.rollout.scheduler import RolloutBatch
+from tppo_jax.train.update import plan_cells
+
+if TYPE_CHECKING:  # annotations only: setup and collect build on this module's callers
+    from tppo_jax.train.collect import Rollout
+    from tppo_jax.train.setup import Run
 
 
 def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh,
@@ -63,3 +69,25 @@ def shuffle_keys(cfg: Config, step: int, rows: int) -> np.ndarray:
     a pure function of (seed, step, host), so a resumed run replays the same minibatches."""
     rng = np.random.default_rng([cfg.train.seed, step, jax.process_index(), 0x5EED])
     return rng.random((rows, cfg.optim.epochs), dtype=np.float32)
+
+
+def update_batch(run: Run, value: Any, roll: Rollout, step: int
+                 ) -> tuple[dict[str, jax.Array], RowPlan]:
+    """The batch one step's updates train on: the rollout's arrays plus the critic's targets
+    and EGAE advantages at ``value`` params; and its ``RowPlan`` (``step``'s shuffle)."""
+    rb = roll.rb
+    arrays = batch_arrays(rb, roll.reward, roll.correct, run.mesh, roll.token_rewards)
+    plan = row_plan(rb, shuffle_keys(run.cfg, step, rb.tokens.shape[0]))
+    return {**arrays, **run.steps.targets(value, arrays, lengths=plan.lengths)}, plan
+
+
+def critic_update(run: Run, value: Any, opt_state: Any, batch: dict[str, jax.Array],
+                  plan: RowPlan) -> tuple[Any, Any, dict[str, Any], int]:
+    """The critic's update on the finished rows only: ``(params, opt_state, stats, cells)``
+    (``cells``: rows x columns its passes ran over); no finished row: unchanged, zero loss."""
+    if not len(plan.finished):
+        return value, opt_state, {"value_loss": 0.0, "value_skipped": 0.0}, 0
+    v_plan = run.steps.value.plan(plan.lengths, int(batch["tokens"].shape[1]), plan.shuffle,
+                                  plan.finished)
+    value, opt_state, stats = run.steps.value(value, opt_state, batch, plan=v_plan)
+    return value, opt_state, stats, plan_cells(v_plan)

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from tppo_jax.config import Config, TrainConfig
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.train.batch import batch_arrays, row_plan, shuffle_keys
+from tppo_jax.train.batch import critic_update, update_batch
 from tppo_jax.train.collect import Rollout, collect
 from tppo_jax.train.run_dir import mirror
 from tppo_jax.train.setup import (
@@ -174,25 +174,19 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
     """Critic targets and advantages, then the policy and value updates (independent), then
     the scheduler samples from the new policy and frees the finished rows' slots."""
     cfg, rb, fns, sched = run.cfg, roll.rb, run.steps, run.sched
-    arrays = batch_arrays(rb, roll.reward, roll.correct, run.mesh, roll.token_rewards)
-    plan = row_plan(rb, shuffle_keys(cfg, step, sched.B))
-    targets = fns.targets(state.value, arrays, lengths=plan.lengths)
-    train_batch = {**arrays, **targets}
+    train_batch, plan = update_batch(run, state.value, roll, step)
     if hooks.before_update is not None:
         train_batch = hooks.before_update(step, train_batch)
     # Dispatched back to back: neither update waits for the other's result.
     # Each minibatch runs as row groups cut to their own width bucket (update_plan).
-    width = int(arrays["tokens"].shape[1])
-    p_plan = fns.policy.plan(plan.lengths, width, plan.shuffle)
-    v_plan = fns.value.plan(plan.lengths, width, plan.shuffle, plan.finished)
+    width = int(train_batch["tokens"].shape[1])
     policy, opt_p, pstats, cells = state.policy, state.policy_opt, {}, 0
     if step >= cfg.algo.critic_warmup_steps:
+        p_plan = fns.policy.plan(plan.lengths, width, plan.shuffle)
         policy, opt_p, pstats = fns.policy(policy, opt_p, train_batch, plan=p_plan)
         cells = plan_cells(p_plan)
-    value, opt_v = state.value, state.value_opt
-    vstats: dict[str, Any] = {"value_loss": 0.0, "value_skipped": 0.0}
-    if len(plan.finished):  # the critic trains on finished rows only
-        value, opt_v, vstats = fns.value(value, opt_v, train_batch, plan=v_plan)
+    value, opt_v, vstats, v_cells = critic_update(run, state.value, state.value_opt,
+                                                  train_batch, plan)
     pstats, vstats = mh.tree_to_host((pstats, vstats))  # replicated scalars
     skipped = float(pstats.get("policy_skipped", 0.0)) + float(vstats["value_skipped"])
     skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
@@ -214,8 +208,7 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
     state = TrainState(policy, value, opt_p, opt_v, step + 1)
     sched.set_policy(policy_module(run, state), step + 1)
     sched.release_finished(rb.finished)
-    return state, Update(pstats, vstats, width, nrows, cells, plan_cells(v_plan) if nrows else 0,
-                         n_comp, c_upd, t_update,
+    return state, Update(pstats, vstats, width, nrows, cells, v_cells, n_comp, c_upd, t_update,
                          skipped_in_a_row)
 
 

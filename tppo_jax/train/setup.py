@@ -190,12 +190,12 @@ def make_scheduler(run: Run, state: TrainState, *, window: int | None = None,
     window, the run's prompt stream and ``train.seed`` (value pretraining's full-length
     rollouts on a stream of their own)."""
     r, tok = run.cfg.rollout, run.models.tokenizer
-    prompts = (b[0] for b in (pipeline or run.pipeline))
+    prompts = (b[0] for b in (run.pipeline if pipeline is None else pipeline))
     return TruncatedRolloutScheduler(
         policy_module(run, state), prompts, run.encode, slots=r.slots,
         group_size=r.group_size, max_prompt_len=r.max_prompt_len,
-        max_response_len=r.max_response_len, window=window or r.window, eos_ids=tok.eos_ids,
-        sampling=run.sampling, kv_policy=r.kv_policy,
+        max_response_len=r.max_response_len, window=r.window if window is None else window,
+        eos_ids=tok.eos_ids, sampling=run.sampling, kv_policy=r.kv_policy,
         seed=run.cfg.train.seed if seed is None else seed, mesh=run.mesh,
         kv_cache=r.kv_cache, page_size=r.page_size, num_pages=r.num_pages)
 

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from tppo_jax.config import Config
 from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.train.batch import batch_arrays, row_plan, shuffle_keys
+from tppo_jax.train.batch import critic_update, update_batch
 from tppo_jax.train.collect import collect
 from tppo_jax.train.setup import Run, make_scheduler
 from tppo_jax.train.state import TrainState
@@ -107,7 +107,7 @@ def _pretrain(run: Run, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
     """``value_pretrain_steps`` critic-only steps on full-length rollouts of the frozen
     policy. Returns the critic's params and one row per step (its explained variance is the
     critic's before that step's update, on that step's new samples)."""
-    cfg, fns = run.cfg, run.steps
+    cfg = run.cfg
     pipeline = PromptPipeline(run.train_rows, batch_size=1, seed=cfg.data.seed + SEED_OFFSET,
                               shard_index=jax.process_index(), shard_count=jax.process_count())
     sched = make_scheduler(run, state, window=cfg.rollout.max_response_len, pipeline=pipeline,
@@ -121,15 +121,8 @@ def _pretrain(run: Run, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
                disable=not (run.progress and run.primary))
     for i in bar:
         roll = collect(run, sched)
-        rb = roll.rb
-        arrays = batch_arrays(rb, roll.reward, roll.correct, run.mesh, roll.token_rewards)
-        plan = row_plan(rb, shuffle_keys(cfg, i + SEED_OFFSET, sched.B))
-        targets = fns.targets(value, arrays, lengths=plan.lengths)
-        stats: dict[str, Any] = {}
-        if len(plan.finished):
-            v_plan = fns.value.plan(plan.lengths, int(arrays["tokens"].shape[1]),
-                                    plan.shuffle, plan.finished)
-            value, opt, stats = fns.value(value, opt, {**arrays, **targets}, plan=v_plan)
+        batch, plan = update_batch(run, value, roll, i + SEED_OFFSET)
+        value, opt, stats, _ = critic_update(run, value, opt, batch, plan)
         stats = mh.tree_to_host(stats)
         tot = mh.sum_over_hosts({"fin": len(roll.fin), "correct": roll.correct.sum()})
         row = {"step": i + 1, "explained_variance": float(stats.get("explained_variance", 0.0)),
@@ -138,7 +131,7 @@ def _pretrain(run: Run, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
                "seconds": time.time() - t0}
         curve.append(row)
         bar.set_postfix(ev=f"{row['explained_variance']:.2f}")
-        sched.release_finished(rb.finished)
+        sched.release_finished(roll.rb.finished)
     run.steps.watch.take()  # its compiles are not the first training step's
     return value, curve
 
