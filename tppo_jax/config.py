@@ -95,6 +95,11 @@ class AlgoConfig:
     # policy before step 1, outside train.time_budget_s, cached beside the run dir so runs
     # that would pretrain the same critic share it (train/value_pretrain.py); 0 = off
     value_pretrain_steps: int = 0
+    # The critic's output bias before its first update: "zero", or "mean_reward" = the mean
+    # reward of that first rollout's finished rows, so V starts at the returns' scale rather
+    # than 0 (Adam moves a bias ~lr per step: a zero-started critic stays far below the returns
+    # for many steps, and every unfinished window then bootstraps from a value that is too low)
+    value_bias_init: Literal["zero", "mean_reward"] = "zero"
     whiten_advantages: bool = True
     advantage_clip: float | None = 10.0
     value_clip_low: float | None = 0.5
@@ -115,6 +120,13 @@ class OptimConfig:
     minibatches: int = 2
     grad_accum: int = 1  # micro-batches per optimizer step (gradient accumulation)
     epochs: int = 1
+    # Passes of the critic's update over its rows per step (null = epochs): more critic
+    # updates per policy update (Open-Reasoner-Zero runs 12) so the critic keeps up
+    value_epochs: int | None = None
+
+    @property
+    def critic_epochs(self) -> int:
+        return self.epochs if self.value_epochs is None else self.value_epochs
 
 
 @dataclass(frozen=True)
@@ -158,6 +170,9 @@ class RewardConfig:
     verify_timeout_s: int | None = 1  # math-verify's own (SIGALRM) timeout; null = off
     max_tasks_per_child: int = 500  # recycle a grading worker after this many items
     crash_retries: int = 1  # re-grade an item this often when its worker dies
+    # A no-signal control (tppo bench learning): each step's graded rewards and verdicts are
+    # permuted across its finished rows before any update sees them. Never for a real run.
+    shuffle_control: bool = False
 
 
 @dataclass(frozen=True)
@@ -407,6 +422,7 @@ def _check_signs(cfg: Config) -> None:
         "rollout.max_prompt_len": r.max_prompt_len, "rollout.page_size": r.page_size,
         "algo.eps_low": a.eps_low, "algo.eps_high": a.eps_high, "algo.alpha": a.alpha,
         "optim.minibatches": o.minibatches, "optim.epochs": o.epochs,
+        "optim.value_epochs": o.critic_epochs,
         "model.hidden_size": cfg.model.hidden_size, "model.num_layers": cfg.model.num_layers,
         "model.intermediate_size": cfg.model.intermediate_size,
         "model.num_heads": cfg.model.num_heads, "model.num_kv_heads": cfg.model.num_kv_heads,

@@ -1,6 +1,7 @@
 """Pure T-PPO / VAPO math: advantages, masks, losses (imports jax only)."""
 
 from tppo_jax.algo.advantages import (
+    advantage_mass,
     discounted_backward,
     effective_length,
     egae,
@@ -28,7 +29,7 @@ from tppo_jax.algo.masks import (
 )
 
 __all__ = [
-    "aggregate", "discounted_backward", "effective_length", "egae",
+    "advantage_mass", "aggregate", "discounted_backward", "effective_length", "egae",
     "explained_variance", "gae",
     "length_adaptive_lambda", "masked_clip", "masked_mean", "masked_whiten", "mc_returns",
     "nll_loss", "policy_loss", "policy_mask", "positive_example_mask", "response_mask",

@@ -202,3 +202,30 @@ def effective_length(
     """
     n = jnp.asarray(response_len, jnp.float32)
     return jnp.where(finished, n, n + window / 2.0)
+
+
+def advantage_mass(advantages: Array, mask: Array, finished: Array, correct: Array
+                   ) -> dict[str, Array]:
+    """Where the policy update's advantage goes: its mean per trained token on rows that
+    finished right, finished wrong and did not finish, and the fraction of trained tokens
+    of right answers whose advantage is negative (a right answer pushed down: a poor
+    critic's credit assignment, or noise).
+
+    Args:
+      advantages, mask: ``[B, T]`` (the policy mask: tokens the update trains on).
+      finished, correct: ``[B]`` bool.
+    Returns:
+      scalars ``adv_right_mean``, ``adv_wrong_mean``, ``adv_unfinished_mean``,
+      ``adv_right_neg_frac`` (0 where a set is empty).
+    """
+    m = mask.astype(jnp.float32)
+    right = (finished & correct)[:, None] * m
+    wrong = (finished & ~correct)[:, None] * m
+    unfin = (~finished)[:, None] * m
+
+    def mean(x: Array, w: Array) -> Array:
+        return (x * w).sum() / jnp.maximum(w.sum(), 1.0)
+
+    return {"adv_right_mean": mean(advantages, right), "adv_wrong_mean": mean(advantages, wrong),
+            "adv_unfinished_mean": mean(advantages, unfin),
+            "adv_right_neg_frac": mean((advantages < 0).astype(jnp.float32), right)}

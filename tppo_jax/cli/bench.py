@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 BENCHMARKS = {"tppo-vs-ppo": "tppo_vs_ppo", "decode": "decode", "intensity": "intensity",
               "accelerator": "accelerator", "cost-model": "cost_model",
-              "prefill-width": "prefill_width", "update-groups": "update_groups"}
+              "prefill-width": "prefill_width", "update-groups": "update_groups",
+              "learning": "learning"}
 
 
 def _available_benchmarks() -> list[str]:

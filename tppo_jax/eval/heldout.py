@@ -109,6 +109,9 @@ def evaluate(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathExample],
     steps_ok = mh.gather_rows(np.array([verify_solution(t).all_valid for t in texts], bool))
     boxed = mh.gather_rows(np.array([r != "no_answer" for r in graded.reasons], bool))
     n_examples = correct.shape[0]
+    # k = 1 (greedy): which questions were right ("x") or not ("."), in example order, so two
+    # evals of the same questions count the answers that changed (tppo bench learning)
+    mask = {"correct_mask": "".join("x" if c else "." for c in correct[:, 0])} if k == 1 else {}
     return {
         f"avg@{k}": avg_at_k(correct),
         f"pass@{k}": float(np.mean(pass_at_k_batch(np.full(n_examples, k),
@@ -118,4 +121,5 @@ def evaluate(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathExample],
         # Step-level checking (sympy verifier): all steps valid; right answer but a bad step.
         "steps_all_valid_frac": float(steps_ok.mean()),
         "right_answer_wrong_steps_frac": float((correct.reshape(-1) & ~steps_ok).mean()),
+        **mask,
     }

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from tppo_jax.buckets import bucket_width
@@ -65,10 +66,11 @@ def row_plan(rb: RolloutBatch, shuffle: np.ndarray) -> RowPlan:
 
 
 def shuffle_keys(cfg: Config, step: int, rows: int) -> np.ndarray:
-    """``[rows, epochs]`` random keys ordering this host's rows in each epoch's minibatches;
+    """``[rows, epochs]`` random keys ordering this host's rows in each epoch's minibatches
+    (as many epochs as the policy's or the critic's update has, whichever is more);
     a pure function of (seed, step, host), so a resumed run replays the same minibatches."""
     rng = np.random.default_rng([cfg.train.seed, step, jax.process_index(), 0x5EED])
-    return rng.random((rows, cfg.optim.epochs), dtype=np.float32)
+    return rng.random((rows, max(cfg.optim.epochs, cfg.optim.critic_epochs)), dtype=np.float32)
 
 
 def update_batch(run: Run, value: Any, roll: Rollout, step: int
@@ -91,3 +93,17 @@ def critic_update(run: Run, value: Any, opt_state: Any, batch: dict[str, jax.Arr
                                   plan.finished)
     value, opt_state, stats = run.steps.value(value, opt_state, batch, plan=v_plan)
     return value, opt_state, stats, plan_cells(v_plan)
+
+
+def init_value_bias(run: Run, value: Any, roll: Rollout) -> Any:
+    """``value`` params with the critic's output bias set as ``algo.value_bias_init`` says,
+    before its first update: ``mean_reward`` = the mean reward of ``roll``'s finished rows
+    over all hosts (the midpoint of ``reward.correct`` and ``reward.wrong`` when none
+    finished); ``zero`` leaves ``value`` as it is."""
+    if run.cfg.algo.value_bias_init == "zero":
+        return value
+    tot = mh.sum_over_hosts({"fin": len(roll.fin), "reward": float(roll.reward[roll.fin].sum())})
+    rc = run.cfg.reward
+    mean = tot["reward"] / tot["fin"] if tot["fin"] else 0.5 * (rc.correct + rc.wrong)
+    old = value["head_bias"]
+    return {**value, "head_bias": jax.device_put(jnp.asarray(mean, old.dtype), old.sharding)}

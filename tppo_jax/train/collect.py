@@ -58,6 +58,9 @@ def collect(run: Run, sched: TruncatedRolloutScheduler | None = None) -> Rollout
         texts = [tok.decode(rb.response_tokens(i)) for i in fin]
         g = run.grader.grade(texts, [rb.examples[i].answer for i in fin])
         reward[fin], correct[fin], counts = g.rewards, g.correct, g.counts
+        if cfg.reward.shuffle_control:  # no signal: who got which grade is random
+            reward, correct = shuffle_grades(
+                reward, correct, fin, np.random.default_rng([cfg.train.seed, sched.step_count]))
         if cfg.reward.overlong_buffer > 0:  # DAPO soft overlong punishment
             reward[fin] += overlong_penalty(
                 (rb.total_len - rb.prompt_len)[fin], cfg.rollout.max_response_len,
@@ -71,6 +74,16 @@ def collect(run: Run, sched: TruncatedRolloutScheduler | None = None) -> Rollout
     n_roll, c_roll = run.steps.watch.take()
     return Rollout(rb, fin, reward, correct, counts, samples, token_rewards, steps_valid,
                    idle, t0, t_roll, t_grade, n_roll, c_roll)
+
+
+def shuffle_grades(reward: np.ndarray, correct: np.ndarray, fin: np.ndarray,
+                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``reward [B]`` and ``correct [B]`` with the finished rows' (``fin``) grades permuted
+    among them, together (the shuffled-reward control: same grades, no signal)."""
+    perm = rng.permutation(fin)
+    reward, correct = reward.copy(), correct.copy()
+    reward[fin], correct[fin] = reward[perm], correct[perm]
+    return reward, correct
 
 
 def sample_rows(tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray, texts: list[str],

@@ -20,6 +20,7 @@ budget) are agreed by all hosts so no process leaves the loop alone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -33,9 +34,10 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
+from tppo_jax import algo
 from tppo_jax.config import Config, TrainConfig
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.train.batch import critic_update, update_batch
+from tppo_jax.train.batch import critic_update, init_value_bias, update_batch
 from tppo_jax.train.collect import Rollout, collect
 from tppo_jax.train.run_dir import mirror
 from tppo_jax.train.setup import (
@@ -169,11 +171,16 @@ class Update:
     skipped_in_a_row: int  # consecutive steps with a skipped (non-finite) update
 
 
+_advantage_mass = jax.jit(algo.advantage_mass)
+
+
 def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHooks,
            skipped_in_a_row: int) -> tuple[TrainState, Update]:
     """Critic targets and advantages, then the policy and value updates (independent), then
     the scheduler samples from the new policy and frees the finished rows' slots."""
     cfg, rb, fns, sched = run.cfg, roll.rb, run.steps, run.sched
+    if step == 0 and not cfg.algo.value_pretrain_steps:  # pretraining did it at its step 0
+        state = dataclasses.replace(state, value=init_value_bias(run, state.value, roll))
     train_batch, plan = update_batch(run, state.value, roll, step)
     if hooks.before_update is not None:
         train_batch = hooks.before_update(step, train_batch)
@@ -187,7 +194,10 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
         cells = plan_cells(p_plan)
     value, opt_v, vstats, v_cells = critic_update(run, state.value, state.value_opt,
                                                   train_batch, plan)
-    pstats, vstats = mh.tree_to_host((pstats, vstats))  # replicated scalars
+    adv = _advantage_mass(train_batch["advantages"], train_batch["policy_mask"],
+                          train_batch["finished"], train_batch["correct"])
+    pstats, vstats, adv = mh.tree_to_host((pstats, vstats, adv))  # replicated scalars
+    vstats = {**vstats, **adv}
     skipped = float(pstats.get("policy_skipped", 0.0)) + float(vstats["value_skipped"])
     skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
     if skipped_in_a_row >= cfg.train.max_skipped_updates:

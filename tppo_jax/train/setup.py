@@ -137,7 +137,7 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
               SamplingParams(r.temperature, r.top_p, r.top_k), decode_shardings(cfg, models, mesh),
               ckpt, progress)
     tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim)
-    tx_v = make_optimizer(cfg.optim.value_lr, cfg.optim)
+    tx_v = make_optimizer(cfg.optim.value_lr, cfg.optim, cfg.optim.critic_epochs)
     state = TrainState(models.policy, models.value,
                        commit_to_mesh(tx_p.init(models.policy), mesh),
                        commit_to_mesh(tx_v.init(models.value), mesh))

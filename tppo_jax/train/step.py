@@ -35,14 +35,15 @@ class StepConfig:
     temperature: float
 
 
-def updates_per_step(optim: OptimConfig) -> int:
+def updates_per_step(optim: OptimConfig, epochs: int | None = None) -> int:
     """Optimizer updates one training step makes (when every minibatch has tokens): one per
-    minibatch per epoch. ``grad_accum`` splits a minibatch into micro-batches whose gradients
-    make a single update, so it does not change the count."""
-    return optim.minibatches * optim.epochs
+    minibatch per epoch (``epochs``: default ``optim.epochs``; the critic's are
+    ``optim.critic_epochs``). ``grad_accum`` splits a minibatch into micro-batches whose
+    gradients make a single update, so it does not change the count."""
+    return optim.minibatches * (optim.epochs if epochs is None else epochs)
 
 
-def lr_schedule(lr: float, optim: OptimConfig) -> optax.Schedule:
+def lr_schedule(lr: float, optim: OptimConfig, epochs: int | None = None) -> optax.Schedule:
     """Linear warm-up over ``optim.warmup_steps`` *training steps*, then constant.
 
     The schedule's clock is optax's update count, so the warm-up is scaled to
@@ -50,15 +51,16 @@ def lr_schedule(lr: float, optim: OptimConfig) -> optax.Schedule:
     minibatches is 320 updates, not 20). A minibatch with nothing to train on takes no update
     and does not advance the clock (see ``guarded_apply``).
     """
-    n = max(optim.warmup_steps * updates_per_step(optim), 1)
+    n = max(optim.warmup_steps * updates_per_step(optim, epochs), 1)
     return optax.join_schedules([optax.linear_schedule(lr / n, lr, n),
                                  optax.constant_schedule(lr)], [n])
 
 
-def make_optimizer(lr: float, optim: OptimConfig) -> optax.GradientTransformation:
-    """AdamW on ``lr_schedule`` after global-norm clipping."""
+def make_optimizer(lr: float, optim: OptimConfig, epochs: int | None = None
+                   ) -> optax.GradientTransformation:
+    """AdamW on ``lr_schedule`` (``epochs`` passes per step) after global-norm clipping."""
     parts = [optax.clip_by_global_norm(optim.grad_clip)] if optim.grad_clip > 0 else []
-    parts.append(optax.adamw(lr_schedule(lr, optim), b1=optim.b1, b2=optim.b2,
+    parts.append(optax.adamw(lr_schedule(lr, optim, epochs), b1=optim.b1, b2=optim.b2,
                              weight_decay=optim.weight_decay))
     return optax.chain(*parts)
 

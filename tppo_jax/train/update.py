@@ -151,7 +151,8 @@ class Updater:
              rows: np.ndarray | None = None) -> list[Minibatch]:
         """``update_plan.plan_update`` for this update's optimizer settings and mesh."""
         o = self.cfg.optim
-        return plan_update(lengths, minibatches=o.minibatches, epochs=o.epochs,
+        epochs = o.epochs if self.kind == "policy" else o.critic_epochs
+        return plan_update(lengths, minibatches=o.minibatches, epochs=epochs,
                            grad_accum=o.grad_accum, unit=self.unit, cap=width,
                            shuffle=shuffle, rows=rows)
 

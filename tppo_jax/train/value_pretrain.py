@@ -37,7 +37,7 @@ from tqdm import tqdm
 from tppo_jax.config import Config
 from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.train.batch import critic_update, update_batch
+from tppo_jax.train.batch import critic_update, init_value_bias, update_batch
 from tppo_jax.train.collect import collect
 from tppo_jax.train.setup import Run, make_scheduler
 from tppo_jax.train.state import TrainState
@@ -50,9 +50,9 @@ SEED_OFFSET = 7919  # its prompts and samples are not the run's first steps'
 
 # The critic's own settings: the ones in the key (the policy-side knobs do not touch it).
 _ALGO_KEYS = ("gamma", "lam_critic", "value_clip_low", "value_clip_high", "loss_aggregation",
-              "value_pretrain_steps")
+              "value_pretrain_steps", "value_bias_init")
 _OPTIM_KEYS = ("value_lr", "warmup_steps", "weight_decay", "b1", "b2", "grad_clip",
-               "minibatches", "grad_accum", "epochs")
+               "minibatches", "grad_accum", "epochs", "value_epochs")
 
 
 def pretrain_key(cfg: Config) -> str:
@@ -121,6 +121,8 @@ def _pretrain(run: Run, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
                disable=not (run.progress and run.primary))
     for i in bar:
         roll = collect(run, sched)
+        if i == 0:
+            value = init_value_bias(run, value, roll)
         batch, plan = update_batch(run, value, roll, i + SEED_OFFSET)
         value, opt, stats, _ = critic_update(run, value, opt, batch, plan)
         stats = mh.tree_to_host(stats)

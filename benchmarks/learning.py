@@ -1,0 +1,252 @@
+"""Does RL make the policy better? One config over seeds, with a no-signal control.
+
+Each (method, arm, seed) is a ``tppo train`` run from the same warm-started policy; its
+``summary.json`` holds the held-out eval before and after. For every run this reports the
+four numbers a learning claim needs, before -> after with binomial standard errors:
+sampled avg@k, pass@k, greedy accuracy and the fraction of sampled solutions whose every
+step is valid; and the greedy answers that changed (right -> wrong, wrong -> right: a
+sharper, deterministic count than the greedy accuracy). From ``metrics.jsonl``: the critic's
+explained variance, approx. KL and entropy per step, and where the advantage goes (mean per
+token on right, wrong and unfinished rows; right-answer tokens with a negative advantage).
+
+Arms: ``rl`` (the config as given) and, with ``--control-seeds N``, ``control``: the same
+run with ``reward.shuffle_control=true`` (each step's grades permuted across its finished
+rows: no signal). The control must not gain; what it loses measures the update's noise.
+Methods: ``tppo`` (the config) and ``ppo`` (``rollout.window=L``), ``--methods tppo,ppo``.
+
+    tppo bench learning --config default --seeds 3 --control-seeds 1 --jobs 2
+    tppo bench learning --config longtail --methods tppo,ppo --seeds 3 --jobs 2
+    tppo bench learning --config default --tag lr2 optim.policy_lr=2e-5   # a probe
+
+``--jobs 2`` runs two at a time, each pinned to its own core (``taskset``), after the
+warm-start is trained once. Writes ``results/learning_<config>[_<tag>].json`` and its PNG;
+``--summarize-only`` rebuilds both from the run dirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+METRICS = (("avg", "sampled avg@k"), ("pass", "pass@k"), ("greedy", "greedy"),
+           ("steps_valid", "steps valid"))
+CURVES = ("reward_mean", "explained_variance", "approx_kl", "entropy", "adv_right_mean",
+          "adv_wrong_mean", "adv_unfinished_mean", "adv_right_neg_frac")
+
+
+def binomial_se(p_percent: float, n: int) -> float:
+    """Standard error (percent) of a proportion measured on ``n`` independent trials."""
+    p = p_percent / 100.0
+    return 100.0 * math.sqrt(max(p * (1.0 - p), 0.0) / max(n, 1))
+
+
+def greedy_changes(before: str, after: str) -> dict[str, int]:
+    """Questions whose greedy answer went right -> wrong (``lost``) and wrong -> right
+    (``gained``), from two ``correct_mask`` strings ("x" right, "." wrong)."""
+    if len(before) != len(after):
+        raise ValueError(f"masks of different lengths: {len(before)} vs {len(after)}")
+    lost = sum(b == "x" and a == "." for b, a in zip(before, after, strict=True))
+    gained = sum(b == "." and a == "x" for b, a in zip(before, after, strict=True))
+    return {"lost": lost, "gained": gained}
+
+
+def four_numbers(ev: dict, k: int) -> dict[str, float]:
+    """avg@k, pass@k, greedy (percent) and steps-valid fraction of one held-out eval."""
+    return {"avg": ev[f"avg@{k}"], "pass": ev[f"pass@{k}"], "greedy": ev["greedy_accuracy"],
+            "steps_valid": ev["steps_all_valid_frac"]}
+
+
+def summarize_run(run_dir: Path, k: int, n_questions: int) -> dict:
+    """One run's before/after, changes with standard errors, greedy changes and curves."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    before, after = summary["eval_before"], summary["eval_after"]
+    b, a = four_numbers(before, k), four_numbers(after, k)
+    trials = {"avg": n_questions * k, "pass": n_questions, "greedy": n_questions,
+              "steps_valid": n_questions * k}
+    out: dict = {"before": b, "after": a, "delta": {m: a[m] - b[m] for m in b}, "se": {}}
+    for m in ("avg", "pass", "greedy"):
+        out["se"][m] = math.hypot(binomial_se(b[m], trials[m]), binomial_se(a[m], trials[m]))
+    if "greedy_correct_mask" in before and "greedy_correct_mask" in after:
+        out["greedy_changes"] = greedy_changes(before["greedy_correct_mask"],
+                                               after["greedy_correct_mask"])
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward_mean" in r]
+    out["steps"] = len(steps)
+    out["train_time_s"] = steps[-1]["train_time_s"] if steps else 0.0
+    out["curves"] = {c: [r.get(c) for r in steps] for c in CURVES}
+    out["boxed_frac"] = [before.get("boxed_frac"), after.get("boxed_frac")]
+    return out
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """Mean, min and max over seeds of every delta; greedy changes summed."""
+    out: dict = {}
+    for m, _ in METRICS:
+        xs = [r["delta"][m] for r in runs]
+        out[m] = {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs)}
+    ch = [r["greedy_changes"] for r in runs if "greedy_changes" in r]
+    if ch:
+        out["greedy_changes"] = {k: sum(c[k] for c in ch) for k in ("lost", "gained")}
+    return out
+
+
+def meets(agg: dict, *, avg_gain: float, greedy_drop: float) -> dict[str, bool]:
+    """The learning targets on the means over seeds: avg@k up by ``avg_gain``, pass@k not
+    down, greedy down by at most ``greedy_drop`` points."""
+    return {"avg": agg["avg"]["mean"] >= avg_gain, "pass": agg["pass"]["mean"] >= 0.0,
+            "greedy": agg["greedy"]["mean"] >= -greedy_drop}
+
+
+def _jobs(args: argparse.Namespace, L: int) -> list[tuple[str, list[str]]]:
+    """``(run name, overrides)`` of every run, in the order they train."""
+    methods = {"tppo": [], "ppo": [f"rollout.window={L}"]}
+    out = []
+    for method in args.methods.split(","):
+        if method not in methods:
+            raise SystemExit(f"--methods: unknown method {method!r} (tppo, ppo)")
+        for seed in range(args.seeds):
+            out.append((f"{method}-rl-seed{seed}", methods[method] + [f"train.seed={seed}"]))
+        for seed in range(args.control_seeds):
+            out.append((f"{method}-control-seed{seed}",
+                        methods[method] + [f"train.seed={seed}", "reward.shuffle_control=true"]))
+    return out
+
+
+def _prefix(args: argparse.Namespace) -> str:
+    return Path(args.config).stem + (f"-{args.tag}" if args.tag else "")
+
+
+def _train_all(args: argparse.Namespace, jobs: list[tuple[str, list[str]]], runs: Path) -> None:
+    """Trains every job (``--jobs`` at a time, one core each); the warm-start first, once."""
+    from tppo_jax.config import load_config
+    from tppo_jax.train.warmstart import cached
+
+    cfg = load_config(args.config, args.overrides)
+    runs.mkdir(parents=True, exist_ok=True)
+    if cfg.model.source == "tiny":  # trained once here, not by every parallel run
+        cached(cfg, runs, progress=not args.no_progress)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    pending, live = list(jobs), []
+    while pending or live:
+        while pending and len(live) < args.jobs:
+            name, extra = pending.pop(0)
+            run_dir = runs / f"{_prefix(args)}-{name}"
+            if run_dir.exists():
+                shutil.rmtree(run_dir)
+            cmd = [sys.executable, "-m", "tppo_jax.cli", "train", "--config", args.config,
+                   "--run-dir", str(run_dir), "--no-progress", *extra, *args.overrides]
+            used = {c for _, _, c in live}
+            core = next((c for c in cores if c not in used), None)
+            if args.jobs > 1 and core is not None and shutil.which("taskset"):
+                cmd = ["taskset", "-c", str(core), *cmd]
+            log = (runs / f"{_prefix(args)}-{name}.log").open("w")
+            print(f"[learning] {name}: {' '.join(cmd)}", flush=True)
+            live.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), name,
+                         core))
+        proc, name, core = live.pop(0)
+        if proc.wait():
+            raise SystemExit(f"[learning] {name} failed (exit {proc.returncode}); see "
+                             f"{runs / (_prefix(args) + '-' + name + '.log')}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tppo_jax.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    L, k = cfg.rollout.max_response_len, cfg.train.eval_samples
+    runs = Path(args.runs)
+    jobs = _jobs(args, L)
+    if not args.summarize_only:
+        _train_all(args, jobs, runs)
+    per: dict = {}
+    for name, _ in jobs:
+        run_dir = runs / f"{_prefix(args)}-{name}"
+        n_q = len(json.loads((run_dir / "summary.json").read_text())["eval_before"]
+                  ["greedy_correct_mask"])
+        per[name] = summarize_run(run_dir, k, n_q)
+    groups: dict = {}
+    for name, r in per.items():
+        method, arm, _ = name.split("-")
+        groups.setdefault(f"{method}-{arm}", []).append(r)
+    results = {"config": args.config, "tag": args.tag, "overrides": args.overrides, "k": k,
+               "held_out_questions": n_q, "runs": per,
+               "aggregate": {g: aggregate(rs) for g, rs in groups.items()}}
+    results["targets"] = {g: meets(a, avg_gain=args.avg_gain, greedy_drop=args.greedy_drop)
+                          for g, a in results["aggregate"].items() if g.endswith("-rl")}
+    out = Path(args.out) / f"learning_{_prefix(args).replace('-', '_')}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    _plot(results, out.with_suffix(".png"))
+    _print_table(results)
+    print(f"wrote {out}")
+    return results
+
+
+def _print_table(results: dict) -> None:
+    k = results["k"]
+    print(f"| run | avg@{k} | pass@{k} | greedy | steps valid | greedy right->wrong / "
+          f"wrong->right |")
+    print("|---|---|---|---|---|---|")
+    for name, r in results["runs"].items():
+        b, a, se = r["before"], r["after"], r["se"]
+        cells = [f"{b[m]:.1f} -> {a[m]:.1f} ({a[m] - b[m]:+.1f} ± {se[m]:.1f})"
+                 for m in ("avg", "pass", "greedy")]
+        ch = r.get("greedy_changes", {})
+        print(f"| {name} | {' | '.join(cells)} | {b['steps_valid']:.2f} -> "
+              f"{a['steps_valid']:.2f} | {ch.get('lost', '-')} / {ch.get('gained', '-')} |")
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["runs"])
+    fig, axes = plt.subplots(1, len(METRICS) + 1, figsize=(4 * (len(METRICS) + 1), 4))
+    for ax, (m, label) in zip(axes, METRICS, strict=False):
+        for i, name in enumerate(names):
+            r = results["runs"][name]
+            color = "tab:red" if "-control-" in name else "tab:blue"
+            ax.plot([i, i], [r["before"][m], r["after"][m]], color=color, lw=2)
+            ax.plot(i, r["after"][m], "o", color=color)
+            ax.plot(i, r["before"][m], "_", color="k", ms=12)
+        ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"{label}: before (-) -> after (o)")
+        ax.grid(alpha=0.3)
+    ax = axes[-1]
+    for name in names:
+        ev = [x for x in results["runs"][name]["curves"]["explained_variance"] if x is not None]
+        ax.plot(ev, label=name, color="tab:red" if "-control-" in name else None, lw=1)
+    ax.set_title("critic explained variance per step")
+    ax.legend(fontsize=6)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="default")
+    p.add_argument("--seeds", type=int, default=3, help="train.seed 0..N-1 of the config")
+    p.add_argument("--control-seeds", type=int, default=0,
+                   help="shuffled-reward control runs (seeds 0..N-1)")
+    p.add_argument("--methods", default="tppo", help="tppo, ppo or tppo,ppo")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (one core each)")
+    p.add_argument("--tag", default="", help="names a variant: its run dirs and JSON")
+    p.add_argument("--runs", default="runs/learning", help="run dirs (and the warm-start "
+                   "cache they share)")
+    p.add_argument("--out", default="results")
+    p.add_argument("--avg-gain", type=float, default=15.0, help="target: avg@k gain (points)")
+    p.add_argument("--greedy-drop", type=float, default=1.0,
+                   help="target: most greedy accuracy lost (points)")
+    p.add_argument("--summarize-only", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("overrides", nargs="*", help="config overrides KEY=VALUE for every run")
