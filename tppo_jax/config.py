@@ -95,6 +95,11 @@ class AlgoConfig:
     # policy before step 1, outside train.time_budget_s, cached beside the run dir so runs
     # that would pretrain the same critic share it (train/value_pretrain.py); 0 = off
     value_pretrain_steps: int = 0
+    # The policy's advantage on a row that finished: "critic" = EGAE on the critic's values;
+    # "group" = its reward minus the mean reward of its prompt's other samples that finished in
+    # the same step (leave-one-out, as RLOO/GRPO), where there is one; EGAE otherwise, and on
+    # every unfinished window (only the critic can judge a window that has not ended)
+    advantage_baseline: Literal["critic", "group"] = "critic"
     # The critic's output bias before its first update: "zero", or "mean_reward" = the mean
     # reward of that first rollout's finished rows, so V starts at the returns' scale rather
     # than 0 (Adam moves a bias ~lr per step: a zero-started critic stays far below the returns

@@ -3,6 +3,7 @@ take more passes per step than the policy, and the shuffled-reward control permu
 across a step's finished rows (no signal) without changing how many are right."""
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -85,3 +86,39 @@ def test_shuffle_grades_permutes_finished_rows_together():
         seen.add(tuple(r[fin]))
     assert len(seen) > 1
     np.testing.assert_array_equal(reward, [1.0, 0.0, 0.5, 0.0, 1.0, 0.0])  # inputs untouched
+
+
+def test_group_baseline_leave_one_out_hand_computed():
+    reward = jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 0.5])
+    group = jnp.array([7, 7, 7, 9, 9, 4])
+    fin = jnp.array([True, True, True, True, False, True])
+    base, has = algo.group_baseline(reward, group, fin)
+    np.testing.assert_allclose(base, [0.5, 1.0, 0.5, 0.0, 1.0, 0.0])
+    # row 3's only sibling (4) has not finished; row 5 is alone in its group
+    np.testing.assert_array_equal(has, [True, True, True, False, True, False])
+
+
+def test_group_advantage_replaces_egae_on_finished_rows_with_siblings():
+    from tppo_jax.train.step import StepConfig, compute_targets
+
+    cfg = load_config("smoke")
+    b, s, w = 4, 12, 4
+    batch = {"tokens": jnp.ones((b, s), jnp.int32), "prompt_len": jnp.full((b,), 2),
+             "window_start": jnp.full((b,), 2), "window_len": jnp.array([3, 4, 4, 2]),
+             "finished": jnp.array([True, True, False, True]),
+             "reward": jnp.array([1.0, 0.0, 0.0, 1.0]),
+             "correct": jnp.array([True, False, False, True]),
+             "group": jnp.array([1, 1, 1, 2])}
+    values = jnp.full((b, s), 0.25)
+    out = {}
+    for mode in ("critic", "group"):
+        a = dataclasses.replace(cfg.algo, advantage_baseline=mode, whiten_advantages=False,
+                                window_ignore_tokens=0)
+        out[mode] = np.asarray(compute_targets(values, batch, StepConfig(
+            algo=a, optim=cfg.optim, window=w, temperature=1.0))["advantages"])
+    g, c = out["group"], out["critic"]
+    np.testing.assert_allclose(g[0, 2:5], 1.0)  # 1 - mean(0) of its finished sibling
+    np.testing.assert_allclose(g[1, 2:6], -1.0)  # 0 - 1
+    np.testing.assert_allclose(g[2], c[2])  # unfinished: EGAE
+    np.testing.assert_allclose(g[3], c[3])  # no sibling: EGAE
+    assert not np.allclose(g[0], c[0])

@@ -6,6 +6,7 @@ from tppo_jax.algo.advantages import (
     effective_length,
     egae,
     gae,
+    group_baseline,
     length_adaptive_lambda,
     mc_returns,
 )
@@ -30,7 +31,7 @@ from tppo_jax.algo.masks import (
 
 __all__ = [
     "advantage_mass", "aggregate", "discounted_backward", "effective_length", "egae",
-    "explained_variance", "gae",
+    "explained_variance", "gae", "group_baseline",
     "length_adaptive_lambda", "masked_clip", "masked_mean", "masked_whiten", "mc_returns",
     "nll_loss", "policy_loss", "policy_mask", "positive_example_mask", "response_mask",
     "span_mask", "value_loss", "value_mask", "window_mask",

@@ -229,3 +229,23 @@ def advantage_mass(advantages: Array, mask: Array, finished: Array, correct: Arr
     return {"adv_right_mean": mean(advantages, right), "adv_wrong_mean": mean(advantages, wrong),
             "adv_unfinished_mean": mean(advantages, unfin),
             "adv_right_neg_frac": mean((advantages < 0).astype(jnp.float32), right)}
+
+
+def group_baseline(reward: Array, group: Array, finished: Array) -> tuple[Array, Array]:
+    """Leave-one-out baseline over a prompt's samples in the batch: for each row, the mean
+    reward of the *other* finished rows of its group (GRPO/RLOO's baseline, unbiased: the
+    siblings' rewards do not depend on the row's own actions).
+
+    Args:
+      reward: ``[B]`` outcome rewards (meaningful on finished rows).
+      group: ``[B]`` int group ids (the G samples of one prompt share one).
+      finished: ``[B]`` bool.
+    Returns:
+      ``(baseline [B] float32, has [B] bool)``; ``has`` is False where no other finished row
+      of the group is in the batch (the baseline then reads 0).
+    """
+    b = reward.shape[0]
+    same = (group[:, None] == group[None, :]) & finished[None, :] & ~jnp.eye(b, dtype=bool)
+    n = same.sum(axis=1)
+    total = (same * reward.astype(jnp.float32)[None, :]).sum(axis=1)
+    return total / jnp.maximum(n, 1), n > 0

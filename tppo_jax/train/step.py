@@ -104,7 +104,8 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
       batch: ``tokens, prompt_len, window_start, window_len, finished, reward, correct`` (the
         grader's verdict, ``[B]`` bool: the positive-example NLL trains on these rows, not on
         ``reward > 0``, which shaping or +1/-1 rewards make a different set) and optionally
-        ``token_rewards [B, S]`` (dense process rewards, added to the outcome reward).
+        ``token_rewards [B, S]`` (dense process rewards, added to the outcome reward) and
+        ``group [B]`` (the prompt's id: ``algo.advantage_baseline: group``).
     """
     a = cfg.algo
     b, s = batch["tokens"].shape
@@ -127,6 +128,10 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
         lam = jnp.full((b,), a.lam_policy, jnp.float32)
     adv_w = algo.egae(_gather_window(rewards, start, w), _gather_window(values, start, w),
                       mask_w, fin, gamma=a.gamma, lam=lam)
+    if a.advantage_baseline == "group":  # finished rows with a finished sibling: r - mean
+        base, has = algo.group_baseline(batch["reward"], batch["group"], fin)
+        adv_w = jnp.where((fin & has)[:, None], (batch["reward"] - base)[:, None] * mask_w,
+                          adv_w)
     adv = _scatter_window(adv_w, start, s)
     pmask = algo.policy_mask(s, start, wlen, fin, ignore_last=a.window_ignore_tokens)
     if a.whiten_advantages:
