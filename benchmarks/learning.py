@@ -19,7 +19,8 @@ Methods: ``tppo`` (the config) and ``ppo`` (``rollout.window=L``), ``--methods t
     tppo bench learning --config default --tag lr2 optim.policy_lr=2e-5   # a probe
 
 ``--jobs 2`` runs two at a time, each pinned to its own core (``taskset``), after the
-warm-start is trained once. Writes ``results/learning_<config>[_<tag>].json`` and its PNG;
+warm-start is trained once. Writes ``results/learning_<config>[_<tag>][_<methods>].json``
+(methods other than ``tppo`` alone) and its PNG;
 ``--summarize-only`` rebuilds both from the run dirs.
 """
 
@@ -180,7 +181,8 @@ def run(args: argparse.Namespace) -> dict:
                "aggregate": {g: aggregate(rs) for g, rs in groups.items()}}
     results["targets"] = {g: meets(a, avg_gain=args.avg_gain, greedy_drop=args.greedy_drop)
                           for g, a in results["aggregate"].items() if g.endswith("-rl")}
-    out = Path(args.out) / f"learning_{_prefix(args).replace('-', '_')}.json"
+    methods = "" if args.methods == "tppo" else "_" + args.methods.replace(",", "_")
+    out = Path(args.out) / f"learning_{_prefix(args).replace('-', '_')}{methods}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     _plot(results, out.with_suffix(".png"))
