@@ -38,7 +38,7 @@ def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh
               "window_start": rb.window_start, "window_len": rb.window_len,
               "finished": rb.finished, "reward": reward.astype(np.float32),
               "correct": correct.astype(bool),
-              "group": (rb.group_id % (1 << 31)).astype(np.int32),
+              "group": (rb.group_id.astype(np.int64) % (1 << 31)).astype(np.int32),
               "sample_logprobs": rb.sample_logprobs[:, :width]}
     if token_rewards is not None:
         arrays["token_rewards"] = token_rewards[:, :width]
