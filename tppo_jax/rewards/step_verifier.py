@@ -20,15 +20,18 @@ be cut off by words, ``2\\frac{1}{2}``, a product of two bare numbers) is unchec
 invalid: a false "invalid" punishes a correct policy, a missed one only loses signal.
 
 Parsing one side of a claim is :mod:`tppo_jax.rewards.expr_parser` (safe: it never ``eval``s
-model output and refuses unbounded work). A per-solution ``timeout_s`` budget marks the remaining
-claims uncheckable once spent. Aligning step ends with tokens is
+model output and refuses unbounded work). A per-solution ``timeout_s`` budget covers the whole
+call (finding claims as well as checking them): once spent, the remaining claims are uncheckable
+and the remaining steps are not searched for claims. Aligning step ends with tokens is
 :func:`tppo_jax.rewards.process.step_token_ends`.
 """
 
 from __future__ import annotations
 
+import bisect
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -49,6 +52,18 @@ Verdict = Literal["valid", "invalid", "uncheckable"]
 ClaimVerdict = Literal["valid", "invalid", "uncheckable", "assignment", "unchecked"]
 
 APPROX_REL_TOL = 1e-2
+# A step (one line or sentence) longer than this is prose or degenerate output, never one worked
+# step: it is uncheckable without being tokenized, so one huge line cannot eat the budget.
+MAX_STEP_CHARS = 20_000
+
+
+class _OutOfTime(Exception):
+    """The solution's budget ran out while claims were being found."""
+
+
+def _check_deadline(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise _OutOfTime
 
 
 # ---------------------------------------------------------------------------------- data types
@@ -101,7 +116,7 @@ class StepVerdict:
 
 @dataclass(frozen=True)
 class StepReport:
-    """All steps of one solution.
+    """The steps of one solution (those reached within the budget: see ``timed_out``).
 
     ``all_valid``: no invalid step *and* at least one valid one (a solution with nothing checkable
     is not "all valid"); ``first_invalid``: index into ``steps`` or None.
@@ -138,7 +153,12 @@ def split_steps(solution: str) -> list[Step]:
 
     A decimal point never splits (``3.5``: no space after the dot). Offsets index ``solution``.
     """
-    steps: list[Step] = []
+    return list(_iter_steps(solution))
+
+
+def _iter_steps(solution: str) -> Iterator[Step]:
+    """``split_steps`` one step at a time (a budget can stop before the end of the text)."""
+    n = 0
     pos = 0
     for line in solution.splitlines(keepends=True):
         bounds = [0, *(m.end() for m in _SENTENCE_END.finditer(line)), len(line)]
@@ -147,9 +167,9 @@ def split_steps(solution: str) -> list[Step]:
             stripped = piece.strip()
             if stripped:
                 start = pos + a + (len(piece) - len(piece.lstrip()))
-                steps.append(Step(len(steps), stripped, start, start + len(stripped)))
+                yield Step(n, stripped, start, start + len(stripped))
+                n += 1
         pos += len(line)
-    return steps
 
 
 # Words that continue an expression: a claim right after "of"/"times" lost its left operand.
@@ -222,8 +242,18 @@ def _neighbour_word(toks: list[Token], i: int, step: int) -> str:
     return toks[j].text.lower() if 0 <= j < len(toks) and toks[j].kind == "word" else ""
 
 
-def extract_claims(step: Step | str) -> list[Claim]:
-    """All claims of a step, in text order, unchecked (``verdict="unchecked"``)."""
+def _in_spans(pos: int, starts: list[int], spans: list[tuple[int, int]]) -> bool:
+    """Whether ``pos`` lies in one of ``spans`` (disjoint, sorted; ``starts`` their starts)."""
+    k = bisect.bisect_right(starts, pos) - 1
+    return k >= 0 and spans[k][0] <= pos < spans[k][1]
+
+
+def extract_claims(step: Step | str, *, deadline: float | None = None) -> list[Claim]:
+    """All claims of a step, in text order, unchecked (``verdict="unchecked"``).
+
+    ``deadline`` (a ``time.monotonic()`` value): raises ``_OutOfTime`` once past it, checked
+    between token runs and between pattern matches, so a long step cannot overrun the budget.
+    """
     text = step.text if isinstance(step, Step) else step
     claims: list[Claim] = []
     clean = clean_text(text)
@@ -234,6 +264,7 @@ def extract_claims(step: Step | str) -> list[Claim]:
         if not is_math_token(toks[i]):
             i += 1
             continue
+        _check_deadline(deadline)
         j = i
         while j < len(toks) and is_math_token(toks[j]):
             j += 1
@@ -253,6 +284,8 @@ def extract_claims(step: Step | str) -> list[Claim]:
                     sl and sl[-1].text in ("*", "/", "^", "+", "-")):
                 last -= 1
             for k in range(first, last):
+                if k % 256 == 0:
+                    _check_deadline(deadline)  # one chain can hold thousands of claims
                 a, b = sides[k], sides[k + 1]
                 if not a or not b:
                     continue
@@ -269,17 +302,24 @@ def extract_claims(step: Step | str) -> list[Claim]:
 
     seen = {(norm(c.lhs), norm(c.rhs)) for c in claims}
     for m in re.finditer(r"<<([^<>=]+)=([^<>=]+)>>", text):
+        _check_deadline(deadline)
         if (norm(m.group(1)), norm(m.group(2))) not in seen:
             claims.append(Claim("equation", m.group(1).strip(), m.group(2).strip(), m.start(),
                                 m.end()))
+    # Spans are disjoint and in text order, and restatements are looked up by start: both
+    # tests stay O(log n) / O(1) per match (a scan per match was quadratic on a long step).
+    span_starts = [a for a, _ in eq_spans]
+    restated: set[int] = set()
     for kind, pats in (("running_total", _RUNNING), ("final", _FINAL)):
         for pat in pats:
             for m in pat.finditer(clean):
+                _check_deadline(deadline)
                 s, e = m.span(1)
-                if any(a <= s < b for a, b in eq_spans) and kind == "running_total":
+                if kind == "running_total" and _in_spans(s, span_starts, eq_spans):
                     continue  # the number is part of an equation, not a restatement
-                if any(c.kind != "equation" and c.start == s for c in claims):
+                if s in restated:
                     continue
+                restated.add(s)
                 claims.append(Claim(kind, "", m.group(1), s, e))  # type: ignore[arg-type]
     claims.sort(key=lambda c: (c.start, c.end))
     return claims
@@ -402,19 +442,25 @@ def _check(c: Claim, st: _State, step_index: int, rel_tol: float) -> Claim:
 
 
 def verify_solution(solution: str, *, timeout_s: float = 1.0, rel_tol: float = 1e-6) -> StepReport:
-    """Check every step of ``solution``; see the module docstring for the rules.
+    """Check the steps of ``solution``; see the module docstring for the rules.
 
-    ``timeout_s`` is a budget for the whole solution, checked between claims (each claim's own cost
-    is bounded by the parser's limits); claims left when it runs out are uncheckable.
+    ``timeout_s`` is a budget for the whole call, finding claims as well as checking them (each
+    claim's own cost is bounded by the parser's limits). Once it is spent the step in progress
+    keeps what was checked, its other claims are uncheckable (``timeout``), and the steps after
+    it are left out of the report (``timed_out``): a long solution is cut off at the budget
+    instead of being split and searched to its end.
     """
     t0 = time.monotonic()
+    deadline = t0 + timeout_s
     st = _State()
     out: list[StepVerdict] = []
     timed_out = False
-    for step in split_steps(solution):
+    for step in _iter_steps(solution):
+        claims = _claims_within(step, deadline)
+        timed_out = claims is None
         checked: list[Claim] = []
-        for c in extract_claims(step):
-            if time.monotonic() - t0 > timeout_s:
+        for c in claims or []:
+            if timed_out or time.monotonic() > deadline:
                 timed_out = True
                 checked.append(replace(c, verdict="uncheckable", reason="timeout"))
                 continue
@@ -423,6 +469,18 @@ def verify_solution(solution: str, *, timeout_s: float = 1.0, rel_tol: float = 1
         verdict: Verdict = ("invalid" if "invalid" in verdicts
                             else "valid" if "valid" in verdicts else "uncheckable")
         out.append(StepVerdict(step.text, verdict, checked, step.end, step.start))
+        if timed_out:
+            break
     first = next((i for i, s in enumerate(out) if s.verdict == "invalid"), None)
     all_valid = first is None and any(s.verdict == "valid" for s in out)
     return StepReport(out, all_valid, first, time.monotonic() - t0, timed_out)
+
+
+def _claims_within(step: Step, deadline: float) -> list[Claim] | None:
+    """The step's claims, ``[]`` for an over-long step, or None once the budget is spent."""
+    if len(step.text) > MAX_STEP_CHARS:
+        return []
+    try:
+        return extract_claims(step, deadline=deadline)
+    except _OutOfTime:
+        return None
