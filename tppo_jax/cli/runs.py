@@ -187,9 +187,9 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     import shutil
 
-    from tppo_jax.models.hf import save_pretrained
+    from tppo_jax.models.hf import save_pretrained, write_special_ids
 
-    _, _, policy, step, tok_file = load_run_policy(Path(args.run_dir), args.step)
+    _, tok, policy, step, tok_file = load_run_policy(Path(args.run_dir), args.step)
     out = Path(args.out)
     save_pretrained(policy, out)
     shutil.copy(tok_file, out / tok_file.name)  # Tokenizer.load(out) finds it
@@ -197,6 +197,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (tok_file.parent / name).exists():
             shutil.copy(tok_file.parent / name, out / name)
+    # transformers' generate stops only on the ids these files name (the tokenizer's own).
+    write_special_ids(out, bos_id=tok.bos_id, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
     print(f"exported policy of step {step} to {out}")
     return 0
 

@@ -136,6 +136,27 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     return d
 
 
+def write_special_ids(path: str | pathlib.Path, *, bos_id: int | None,
+                      eos_ids: tuple[int, ...] | list[int], pad_id: int | None) -> None:
+    """Adds the tokenizer's BOS / EOS / pad ids to ``path/config.json`` and writes them to
+    ``path/generation_config.json`` (keeping the other keys of one already there).
+
+    Without them transformers' ``generate`` on the folder never stops: it reads the ids that
+    end a generation from these two files, not from the tokenizer. Every EOS id goes in (an
+    instruct model's end-of-turn token as well as ``</s>``), as an int when there is one.
+    """
+    path = pathlib.Path(path)
+    eos: int | list[int] | None = (None if not eos_ids else int(eos_ids[0]) if len(eos_ids) == 1
+                                   else [int(i) for i in eos_ids])
+    ids = {k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos),
+                             ("pad_token_id", pad_id)) if v is not None}
+    for name in ("config.json", "generation_config.json"):
+        f = path / name
+        d = json.loads(f.read_text()) if f.exists() else {}
+        d.update(ids)
+        f.write_text(json.dumps(d, indent=2) + "\n")
+
+
 # --------------------------------------------------------------------------- tensor maps
 
 
