@@ -1,6 +1,6 @@
 """Static shapes for the update: bucketed widths and row groups bound the compiles;
 CompileWatch counts them; a minibatch's row groups give the step of the whole minibatch
-(structure and exactness only; speed is measured in README, not asserted)."""
+(structure and exactness only; speed is measured in results/README.md, not asserted)."""
 
 import jax
 import jax.numpy as jnp
