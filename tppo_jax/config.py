@@ -20,9 +20,12 @@ from typing import Any, Literal
 
 import yaml
 
+from tppo_jax.config_checks import ConfigError, quote, quote_name, validate
 
-class ConfigError(ValueError):
-    """A config key or value is invalid; the message names it."""
+__all__ = ["AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+           "LoggingConfig", "MeshConfig", "ModelSettings", "OptimConfig", "RewardConfig",
+           "RolloutConfig", "TrainConfig", "configs_dir", "from_dict", "load_config",
+           "parse_override", "resolve_config_path", "safe_load_yaml", "validate"]
 
 
 @dataclass(frozen=True)
@@ -269,7 +272,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     args = typing.get_args(tp)
     if origin is Literal:
         if value not in args:
-            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
+            raise ConfigError(f"{where}: {quote(value)} is not one of {list(args)}")
         return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -282,42 +285,42 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, a, where)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
+        raise ConfigError(errors[0] if errors else f"{where}: invalid value {quote(value)}")
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping, got {quote(value)}")
         return {str(k): str(v) for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+            raise ConfigError(f"{where}: expected true/false, got {quote(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {quote(value)}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads "3e-5" (no dot) as a string
             with contextlib.suppress(ValueError):
                 value = float(value)
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {quote(value)}")
         try:
             out = float(value)
         except OverflowError:  # an int too large for a float
             out = math.inf
         if not math.isfinite(out):  # NaN slips through every `<`/`>` check in validate()
-            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+            raise ConfigError(f"{where}: expected a finite number, got {quote(value)}")
         return out
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {quote(value)}")
         return value
     return value
 
 
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'}: expected a mapping, got {data!r}")
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {quote(data)}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs: dict[str, Any] = {}
@@ -325,7 +328,8 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
         path = f"{where}.{key}" if where else str(key)
         if key not in names:
             prefix = f"{where}." if where else ""
-            raise ConfigError(f"unknown config key {path!r}{_closest(str(key), names, prefix)}")
+            hint = _closest(str(key), names, prefix)
+            raise ConfigError(f"unknown config key {quote_name(path)}{hint}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             # An empty YAML section (None) means defaults; `model=0` or `model=[]` is an error.
@@ -348,23 +352,74 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 def parse_override(text: str) -> dict[str, Any]:
     """``"rollout.window=64"`` -> ``{"rollout": {"window": 64}}`` (value parsed as YAML)."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.key=value")
+        raise ConfigError(f"override {quote(text)} must look like section.key=value")
     key, raw = text.split("=", 1)
     parts = [p for p in key.strip().split(".") if p]
     if not parts:
-        raise ConfigError(f"override {text!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except (yaml.YAMLError, ValueError, RecursionError) as e:
-        # ReaderError (e.g. a NUL byte) has no .problem; ValueError: an int over Python's
-        # 4300-digit limit; RecursionError: nesting too deep for the YAML parser.
-        why = getattr(e, "problem", None) or str(e) or type(e).__name__
-        why = " ".join(str(why).split())[:200]  # one line
-        raise ConfigError(f"override {text!r}: cannot parse value ({why})") from None
+        raise ConfigError(f"override {quote(text)} has an empty key")
+    value = safe_load_yaml(raw, f"override {quote_name(key)}") if raw.strip() else ""
     node: dict[str, Any] = {parts[-1]: value}
     for p in reversed(parts[:-1]):
         node = {p: node}
     return node
+
+
+# ---- a bounded YAML reader ------------------------------------------------------------
+
+MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; anything near this is not one
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` without aliases: ``*name`` repeats a node, and repeats of repeats
+    (a "billion laughs") grow a few hundred bytes into gigabytes. No config needs them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _AliasRefused(f"line {event.start_mark.line + 1}: YAML aliases "
+                                f"({quote('*' + str(event.anchor), 20)}) are not supported")
+        return super().compose_node(parent, index)
+
+
+class _AliasRefused(Exception):
+    pass
+
+
+def safe_load_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load`` with aliases refused; any failure is a one-line ``ConfigError``
+    that starts with ``where`` (the file, or the override's key)."""
+    try:
+        return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
+    except _AliasRefused as e:
+        raise ConfigError(f"{where}: {e}") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        # ReaderError (e.g. a NUL byte) has no .problem; ValueError: an int over Python's
+        # 4300-digit limit; RecursionError: nesting too deep for the YAML parser.
+        why = getattr(e, "problem", None) or str(e) or type(e).__name__
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        why = " ".join(str(why).split())[:200]  # one line
+        raise ConfigError(f"{where}: invalid YAML{at} ({why})") from None
+
+
+def read_config_text(path: Path) -> str:
+    """A config file's text: a regular file of at most ``MAX_CONFIG_BYTES`` of UTF-8."""
+    try:
+        if not path.is_file():
+            raise ConfigError(f"config file {quote_name(str(path))} is not a regular file")
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {quote_name(str(path))}: "
+                          f"{e.strerror or type(e).__name__}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {quote_name(str(path))} is over {MAX_CONFIG_BYTES} bytes; "
+                          f"a config is a few KiB")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {quote_name(str(path))} is not UTF-8 (byte {e.start + 1})"
+                          ) from None
 
 
 def configs_dir() -> Path:
@@ -382,7 +437,8 @@ def resolve_config_path(name: str | Path) -> Path:
         if cand.exists():
             return cand
     known = sorted(q.stem for q in configs_dir().glob("*.yaml"))
-    raise ConfigError(f"config file {str(name)!r} not found (shipped configs: {', '.join(known)})")
+    raise ConfigError(f"config file {quote_name(str(name))} not found "
+                      f"(shipped configs: {', '.join(known)})")
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -390,10 +446,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     validates, and returns a ``Config``."""
     data: dict[str, Any] = {}
     src = resolve_config_path(path if path is not None else "default")
-    try:
-        loaded = yaml.safe_load(src.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{src}: invalid YAML: {e}") from None
+    loaded = safe_load_yaml(read_config_text(src), str(src)) or {}
     if not isinstance(loaded, dict):
         raise ConfigError(f"{src}: top level must be a mapping of sections")
     data = _merge(data, loaded)
@@ -408,139 +461,3 @@ def from_dict(data: dict[str, Any]) -> Config:
     cfg = _build(Config, data, "")
     validate(cfg)
     return cfg
-
-
-def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1) -> None:
-    """Cross-field checks; raises ``ConfigError`` naming the conflicting values."""
-    _check_signs(cfg)
-    _check_rollout_and_algo(cfg)
-    _check_data_and_model(cfg)
-    _check_layout(cfg, num_devices, num_processes)
-
-
-def _check_signs(cfg: Config) -> None:
-    """Sizes, rates and counts that must be positive or non-negative."""
-    r, a, o = cfg.rollout, cfg.algo, cfg.optim
-    positive = {
-        "rollout.prompts_per_step": r.prompts_per_step, "rollout.group_size": r.group_size,
-        "rollout.max_response_len": r.max_response_len, "rollout.window": r.window,
-        "rollout.max_prompt_len": r.max_prompt_len, "rollout.page_size": r.page_size,
-        "algo.eps_low": a.eps_low, "algo.eps_high": a.eps_high, "algo.alpha": a.alpha,
-        "optim.minibatches": o.minibatches, "optim.epochs": o.epochs,
-        "optim.value_epochs": o.critic_epochs,
-        "model.hidden_size": cfg.model.hidden_size, "model.num_layers": cfg.model.num_layers,
-        "model.intermediate_size": cfg.model.intermediate_size,
-        "model.num_heads": cfg.model.num_heads, "model.num_kv_heads": cfg.model.num_kv_heads,
-        "reward.item_timeout_s": cfg.reward.item_timeout_s,
-        "reward.batch_deadline_s": cfg.reward.batch_deadline_s,
-        "data.max_steps": cfg.data.max_steps,
-        "reward.max_tasks_per_child": cfg.reward.max_tasks_per_child,
-    }
-    for k, v in positive.items():
-        if not v > 0:
-            raise ConfigError(f"{k} must be > 0, got {v}")
-    for k, v in {"optim.policy_lr": o.policy_lr, "optim.value_lr": o.value_lr,
-                 "train.steps": cfg.train.steps, "algo.nll_coef": a.nll_coef,
-                 "algo.window_ignore_tokens": a.window_ignore_tokens,
-                 "algo.critic_warmup_steps": a.critic_warmup_steps,
-                 "algo.value_pretrain_steps": a.value_pretrain_steps,
-                 "rollout.num_pages": r.num_pages, "rollout.top_k": r.top_k,
-                 "train.eval_every": cfg.train.eval_every,
-                 "train.eval_every_s": cfg.train.eval_every_s,
-                 "logging.samples_per_step": cfg.logging.samples_per_step,
-                 "reward.crash_retries": cfg.reward.crash_retries}.items():
-        if v < 0:
-            raise ConfigError(f"{k} must be >= 0, got {v}")
-
-
-def _check_rollout_and_algo(cfg: Config) -> None:
-    """Windows vs lengths, clipping and lambda ranges, sampling, batch divisibility."""
-    r, a, o = cfg.rollout, cfg.algo, cfg.optim
-    if r.window < r.max_response_len and r.max_response_len % r.window:
-        raise ConfigError(
-            f"rollout.max_response_len (L={r.max_response_len}) must be a multiple of "
-            f"rollout.window (l={r.window}), or window >= max_response_len for PPO"
-        )
-    if r.window > r.max_response_len:
-        raise ConfigError(
-            f"rollout.window (l={r.window}) > rollout.max_response_len (L={r.max_response_len}); "
-            f"set window = max_response_len for synchronous PPO"
-        )
-    if a.eps_low >= 1:
-        raise ConfigError(f"algo.eps_low must be < 1, got {a.eps_low}")
-    if a.dual_clip_c is not None and a.dual_clip_c <= 1:
-        raise ConfigError(f"algo.dual_clip_c must be > 1 (or null), got {a.dual_clip_c}")
-    for k, v in {"algo.gamma": a.gamma, "algo.lam_policy": a.lam_policy,
-                 "algo.lam_critic": a.lam_critic, "algo.lam_min": a.lam_min,
-                 "train.warmstart_wrong_step_frac": cfg.train.warmstart_wrong_step_frac,
-                 "train.warmstart_no_format_frac": cfg.train.warmstart_no_format_frac}.items():
-        if not 0.0 <= v <= 1.0:
-            raise ConfigError(f"{k} must be in [0, 1], got {v}")
-    if not 0.0 < r.top_p <= 1.0:
-        raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
-    if r.temperature < 0:
-        raise ConfigError(f"rollout.temperature must be >= 0, got {r.temperature}")
-    if r.max_prompt_len + r.max_response_len > cfg.model.max_seq_len:
-        raise ConfigError(
-            f"rollout.max_prompt_len + rollout.max_response_len = "
-            f"{r.max_prompt_len + r.max_response_len} exceeds model.max_seq_len "
-            f"({cfg.model.max_seq_len})"
-        )
-    if o.grad_accum < 1:
-        raise ConfigError(f"optim.grad_accum must be >= 1, got {o.grad_accum}")
-    if r.slots % (o.minibatches * o.grad_accum):
-        raise ConfigError(
-            f"slots ({r.slots}) not divisible by optim.minibatches * optim.grad_accum "
-            f"({o.minibatches} * {o.grad_accum})"
-        )
-    if cfg.reward.overlong_buffer > r.max_response_len:
-        raise ConfigError(f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) exceeds "
-                          f"rollout.max_response_len ({r.max_response_len})")
-
-
-def _check_data_and_model(cfg: Config) -> None:
-    """Task, model source, grader and prompt settings that must agree."""
-    if cfg.data.style == "daily" and cfg.data.max_value < cfg.data.max_steps + 2:
-        raise ConfigError(f"data.max_value ({cfg.data.max_value}) must be >= data.max_steps + 2 "
-                          f"({cfg.data.max_steps + 2}) for daily problems")
-    if cfg.model.source in ("hf", "gguf") and not cfg.model.path:
-        raise ConfigError(f"model.path is required when model.source is {cfg.model.source!r}")
-    vt = cfg.reward.verify_timeout_s
-    if vt is not None and vt < 1:
-        raise ConfigError(f"reward.verify_timeout_s must be >= 1 (whole seconds) or null, got {vt}")
-    pt = cfg.data.prompt_template
-    if pt is not None and "{question}" not in pt:
-        raise ConfigError(f"data.prompt_template must contain {{question}}, got {pt!r}")
-    if cfg.model.num_heads % cfg.model.num_kv_heads:
-        raise ConfigError(
-            f"model.num_heads ({cfg.model.num_heads}) must be a multiple of "
-            f"model.num_kv_heads ({cfg.model.num_kv_heads})"
-        )
-
-
-def _check_layout(cfg: Config, num_devices: int | None, num_processes: int) -> None:
-    """Slots vs processes and the device mesh."""
-    r = cfg.rollout
-    m = cfg.mesh
-    if num_processes > 1:
-        if r.kv_cache == "paged":
-            raise ConfigError(f"rollout.kv_cache={r.kv_cache!r} is single-host; with "
-                              f"{num_processes} processes use rollout.kv_cache=dense")
-        if r.slots % num_processes:
-            raise ConfigError(f"slots ({r.slots}) not divisible by the number of processes "
-                              f"({num_processes}): every host runs the same number of slots")
-    if num_devices is not None:
-        sizes = [m.data, m.fsdp, m.tensor]
-        fixed = 1
-        for s in sizes:
-            if s != -1:
-                fixed *= s
-        dp = (num_devices // fixed if m.data == -1 else m.data) * (
-            num_devices // fixed if m.fsdp == -1 else m.fsdp)
-        if num_devices % fixed:
-            raise ConfigError(f"mesh {sizes} does not divide {num_devices} devices")
-        if r.slots % max(dp, 1):
-            raise ConfigError(
-                f"slots ({r.slots}) not divisible by the data-parallel size "
-                f"mesh.data*mesh.fsdp = {dp}"
-            )

@@ -42,7 +42,7 @@ def test_parse_override_nested():
         ("algoo.gamma=1", "did you mean 'algo'"),
         ("rollout.window=48", "multiple of rollout.window"),
         ("rollout.window=256", "rollout.window (l=256) > rollout.max_response_len"),
-        ("algo.eps_low=0", "algo.eps_low must be > 0"),
+        ("algo.eps_low=0", "algo.eps_low must be in (0, 1)"),
         ("algo.eps_high=-0.1", "algo.eps_high must be > 0"),
         ("optim.policy_lr=abc", "optim.policy_lr: expected a number"),
         ("algo.loss_aggregation=mean", "algo.loss_aggregation: 'mean' is not one of"),

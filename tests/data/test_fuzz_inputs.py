@@ -251,6 +251,8 @@ VALUES = st.one_of(
 def _names_key(msg: str, override: str) -> bool:
     key = override.split("=", 1)[0].strip()
     parts = [p for p in key.split(".") if p]
+    if not parts:  # no key to name (messages quote only a prefix of the override)
+        return "empty key" in msg
     cands = [key, override, *parts[:1], *parts[-1:]]
     return any(c and (c in msg or repr(c)[1:-1] in msg) for c in cands)
 

@@ -1,0 +1,262 @@
+"""Validation of a built config: one range table for every numeric field, then the checks
+between fields. ``tppo_jax.config`` re-exports ``ConfigError`` and ``validate``.
+
+Kept apart from ``config.py`` (the dataclasses and the loader) so each stays small; this
+module imports nothing from it at runtime (no import cycle): it walks the config's dataclass
+fields and their type hints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tppo_jax.config import Config
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names it."""
+
+
+QUOTE_CHARS = 60  # an error message quotes at most this much of a value (it may be huge)
+NAME_QUOTE_CHARS = 250  # and of a key or a path: enough for any real one, escapes and all
+
+
+def quote(value: Any, limit: int = QUOTE_CHARS) -> str:
+    """``repr(value)``, cut to ``limit`` characters: messages stay one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
+
+
+def quote_name(key: str) -> str:
+    """A config key, an override's left side or a file path, as a message quotes it."""
+    return quote(key, NAME_QUOTE_CHARS)
+
+
+# Device arrays hold int32: a count or size above this cannot be represented there.
+INT_MAX = 2**31 - 1
+# Seeds get small offsets added (value pretraining's, the critic's +1) and end up in
+# int64/uint32 PRNG seeds: this leaves room for both.
+SEED_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of one numeric field: ``lo``/``hi`` (None = unbounded), open or
+    closed, plus ``special`` values outside it (e.g. mesh sizes' -1, ``meaning`` says what
+    it stands for). An int field without ``hi`` is still capped at ``INT_MAX``."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    special: tuple[int, ...] = ()
+    meaning: str = ""
+
+    def contains(self, v: float) -> bool:
+        if v in self.special:
+            return True
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+
+    def describe(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            text = (f"in {'(' if self.lo_open else '['}{_num(self.lo)}, {_num(self.hi)}"
+                    f"{')' if self.hi_open else ']'}")
+        elif self.lo is not None:
+            text = f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
+        elif self.hi is not None:
+            text = f"{'<' if self.hi_open else '<='} {_num(self.hi)}"
+        else:
+            text = "a finite number"
+        if self.special:
+            text = f"{' or '.join(map(str, self.special))} ({self.meaning}) or {text}"
+        return text
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+POSITIVE = Range(0, lo_open=True)
+NON_NEGATIVE = Range(0)
+UNIT = Range(0, 1)  # a fraction or a discount
+ANY = Range()  # any finite number (the loader already refuses nan/inf)
+SEED = Range(0, SEED_MAX)
+MESH_AXIS = Range(1, special=(-1,), meaning="the devices left over")
+
+# Every numeric field of every section, and what it may hold. A nullable field may also be
+# null. tests/cli/test_config_ranges.py fails when a numeric field is missing here.
+RANGES: dict[str, Range] = {
+    "model.hidden_size": POSITIVE, "model.intermediate_size": POSITIVE,
+    "model.num_layers": POSITIVE, "model.num_heads": POSITIVE, "model.num_kv_heads": POSITIVE,
+    "model.max_seq_len": POSITIVE,
+    "rollout.prompts_per_step": POSITIVE, "rollout.group_size": POSITIVE,
+    "rollout.max_prompt_len": POSITIVE, "rollout.max_response_len": POSITIVE,
+    "rollout.window": POSITIVE, "rollout.temperature": NON_NEGATIVE,
+    "rollout.top_p": Range(0, 1, lo_open=True), "rollout.top_k": NON_NEGATIVE,
+    "rollout.page_size": POSITIVE, "rollout.num_pages": NON_NEGATIVE,
+    "algo.gamma": UNIT, "algo.lam_policy": UNIT, "algo.lam_critic": UNIT, "algo.lam_min": UNIT,
+    "algo.alpha": POSITIVE, "algo.eps_low": Range(0, 1, lo_open=True, hi_open=True),
+    "algo.eps_high": POSITIVE, "algo.dual_clip_c": Range(1, lo_open=True),
+    "algo.window_ignore_tokens": NON_NEGATIVE, "algo.nll_coef": NON_NEGATIVE,
+    "algo.critic_warmup_steps": NON_NEGATIVE, "algo.value_pretrain_steps": NON_NEGATIVE,
+    "algo.advantage_clip": POSITIVE, "algo.value_clip_low": NON_NEGATIVE,
+    "algo.value_clip_high": NON_NEGATIVE,
+    "optim.policy_lr": NON_NEGATIVE, "optim.value_lr": NON_NEGATIVE,
+    "optim.warmup_steps": NON_NEGATIVE, "optim.weight_decay": NON_NEGATIVE,
+    "optim.b1": Range(0, 1, hi_open=True), "optim.b2": Range(0, 1, hi_open=True),
+    "optim.grad_clip": NON_NEGATIVE,  # 0 = no clipping
+    "optim.minibatches": POSITIVE, "optim.grad_accum": POSITIVE, "optim.epochs": POSITIVE,
+    "optim.value_epochs": POSITIVE,
+    "data.difficulty": NON_NEGATIVE, "data.max_operand": POSITIVE,
+    "data.max_value": Range(2),  # a chain problem starts at a value in [2, max_value]
+    "data.max_steps": POSITIVE, "data.eval_size": POSITIVE, "data.seed": SEED,
+    "reward.correct": ANY, "reward.wrong": ANY, "reward.no_answer": ANY, "reward.error": ANY,
+    "reward.workers": NON_NEGATIVE,  # 0 = grade inline
+    "reward.item_timeout_s": POSITIVE, "reward.batch_deadline_s": POSITIVE,
+    "reward.overlong_buffer": NON_NEGATIVE, "reward.overlong_penalty": NON_NEGATIVE,
+    "reward.process_penalty": ANY, "reward.process_bonus": ANY,
+    "reward.verify_timeout_s": Range(1),  # whole seconds (SIGALRM)
+    "reward.max_tasks_per_child": POSITIVE, "reward.crash_retries": NON_NEGATIVE,
+    "mesh.data": MESH_AXIS, "mesh.fsdp": MESH_AXIS, "mesh.tensor": MESH_AXIS,
+    "checkpoint.every": NON_NEGATIVE,  # 0 = only the last step
+    "checkpoint.keep": POSITIVE,
+    "logging.samples_per_step": NON_NEGATIVE,
+    "train.steps": NON_NEGATIVE, "train.seed": SEED, "train.eval_every": NON_NEGATIVE,
+    "train.eval_every_s": NON_NEGATIVE, "train.eval_samples": POSITIVE,
+    "train.target_accuracy": Range(0, 100),  # percent
+    "train.time_budget_s": POSITIVE, "train.max_skipped_updates": POSITIVE,
+    "train.warmstart_steps": NON_NEGATIVE, "train.warmstart_lr": NON_NEGATIVE,
+    "train.warmstart_batch": POSITIVE, "train.warmstart_wrong_step_frac": UNIT,
+    "train.warmstart_no_format_frac": UNIT,
+}
+
+# Text fields: no range to check; each is checked where it is used (a path when it is
+# opened, a template when it is rendered). With the Literal and bool fields (checked by
+# the loader against their annotation) these and RANGES cover every field.
+FREE_TEXT = frozenset({
+    "model.path", "model.value_path", "data.source", "data.fields", "data.prompt_template",
+    "data.system_prompt", "checkpoint.dir", "train.compile_cache",
+})
+
+
+def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1) -> None:
+    """Every field's range, then cross-field checks; raises ``ConfigError`` naming the key."""
+    check_ranges(cfg)
+    _check_rollout_and_algo(cfg)
+    _check_data_and_model(cfg)
+    _check_layout(cfg, num_devices, num_processes)
+
+
+def section_fields(cfg: Config) -> typing.Iterator[tuple[str, Any, Any]]:
+    """``(section.key, annotation, value)`` of every field of every section."""
+    for sec in dataclasses.fields(cfg):
+        section = getattr(cfg, sec.name)
+        hints = typing.get_type_hints(type(section))
+        for f in dataclasses.fields(section):
+            yield f"{sec.name}.{f.name}", hints[f.name], getattr(section, f.name)
+
+
+def is_int_field(tp: Any) -> bool:
+    """Whether the annotation is ``int`` or ``int | None``."""
+    return tp is int or (typing.get_origin(tp) in (typing.Union, types.UnionType)
+                         and int in typing.get_args(tp))
+
+
+def check_ranges(cfg: Config) -> None:
+    """Each numeric field against its ``RANGES`` entry (null passes where allowed)."""
+    for key, tp, v in section_fields(cfg):
+        rng = RANGES.get(key)
+        if rng is None or v is None or isinstance(v, bool):
+            continue
+        null = " (or null)" if type(None) in typing.get_args(tp) else ""
+        if not rng.contains(v):
+            raise ConfigError(f"{key} must be {rng.describe()}{null}, got {quote(v)}")
+        if is_int_field(tp) and v > INT_MAX:
+            raise ConfigError(f"{key} must be <= {INT_MAX}, got {quote(v)}")
+
+
+def _check_rollout_and_algo(cfg: Config) -> None:
+    """Windows vs lengths, batch divisibility."""
+    r, o = cfg.rollout, cfg.optim
+    if r.window < r.max_response_len and r.max_response_len % r.window:
+        raise ConfigError(
+            f"rollout.max_response_len (L={r.max_response_len}) must be a multiple of "
+            f"rollout.window (l={r.window}), or window >= max_response_len for PPO"
+        )
+    if r.window > r.max_response_len:
+        raise ConfigError(
+            f"rollout.window (l={r.window}) > rollout.max_response_len (L={r.max_response_len}); "
+            f"set window = max_response_len for synchronous PPO"
+        )
+    if r.max_prompt_len + r.max_response_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"rollout.max_prompt_len + rollout.max_response_len = "
+            f"{r.max_prompt_len + r.max_response_len} exceeds model.max_seq_len "
+            f"({cfg.model.max_seq_len})"
+        )
+    if r.slots % (o.minibatches * o.grad_accum):
+        raise ConfigError(
+            f"slots ({r.slots}) not divisible by optim.minibatches * optim.grad_accum "
+            f"({o.minibatches} * {o.grad_accum})"
+        )
+    if cfg.reward.overlong_buffer > r.max_response_len:
+        raise ConfigError(f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) exceeds "
+                          f"rollout.max_response_len ({r.max_response_len})")
+
+
+def _check_data_and_model(cfg: Config) -> None:
+    """Task, model source and prompt settings that must agree."""
+    if cfg.data.style == "daily" and cfg.data.max_value < cfg.data.max_steps + 2:
+        raise ConfigError(f"data.max_value ({cfg.data.max_value}) must be >= data.max_steps + 2 "
+                          f"({cfg.data.max_steps + 2}) for daily problems")
+    if cfg.model.source in ("hf", "gguf") and not cfg.model.path:
+        raise ConfigError(f"model.path is required when model.source is {cfg.model.source!r}")
+    pt = cfg.data.prompt_template
+    if pt is not None and "{question}" not in pt:
+        raise ConfigError(f"data.prompt_template must contain {{question}}, got {quote(pt)}")
+    m = cfg.model
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads ({m.num_heads}) must be a multiple of "
+                          f"model.num_kv_heads ({m.num_kv_heads})")
+    head = m.hidden_size // m.num_heads
+    if m.source == "tiny" and (head < 2 or head % 2):  # RoPE rotates pairs of dimensions
+        raise ConfigError(f"model.hidden_size // model.num_heads (the head size, {head}) must "
+                          f"be even and >= 2 for model.source 'tiny'")
+
+
+def _check_layout(cfg: Config, num_devices: int | None, num_processes: int) -> None:
+    """Slots vs processes and the device mesh."""
+    r = cfg.rollout
+    m = cfg.mesh
+    sizes = [m.data, m.fsdp, m.tensor]
+    if sizes.count(-1) > 1:
+        raise ConfigError(f"mesh {sizes} (data, fsdp, tensor): at most one axis may be -1")
+    if num_processes > 1:
+        if r.kv_cache == "paged":
+            raise ConfigError(f"rollout.kv_cache={r.kv_cache!r} is single-host; with "
+                              f"{num_processes} processes use rollout.kv_cache=dense")
+        if r.slots % num_processes:
+            raise ConfigError(f"slots ({r.slots}) not divisible by the number of processes "
+                              f"({num_processes}): every host runs the same number of slots")
+    if num_devices is not None:
+        fixed = 1
+        for s in sizes:
+            if s != -1:
+                fixed *= s
+        dp = (num_devices // fixed if m.data == -1 else m.data) * (
+            num_devices // fixed if m.fsdp == -1 else m.fsdp)
+        if num_devices % fixed or (-1 not in sizes and fixed != num_devices):
+            raise ConfigError(f"mesh {sizes} (data, fsdp, tensor) does not fit {num_devices} "
+                              f"devices")
+        if r.slots % max(dp, 1):
+            raise ConfigError(
+                f"slots ({r.slots}) not divisible by the data-parallel size "
+                f"mesh.data*mesh.fsdp = {dp}"
+            )
