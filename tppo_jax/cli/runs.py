@@ -8,15 +8,25 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tppo_jax.cli.args import add_config_args
+from tppo_jax.cli.args import (
+    add_config_args,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    top_p,
+)
+
+if TYPE_CHECKING:
+    from tppo_jax.train.checkpoint import Checkpointer
 
 
 def _preview_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", nargs="?", choices=["preview"], default="preview",
                    help="preview (default): samples and the solution-length histogram")
     add_config_args(p)
-    p.add_argument("-n", type=int, default=3, help="samples to print")
+    p.add_argument("-n", type=non_negative_int, default=3, help="samples to print")
 
 
 def cmd_data_preview(args: argparse.Namespace) -> int:
@@ -48,14 +58,15 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
 def _plot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dirs", nargs="+", help="run directories (metrics.jsonl inside)")
     p.add_argument("--out", default=None, help="output folder (default: the first run dir)")
-    p.add_argument("--smooth", type=int, default=5, help="moving-average window in steps")
+    p.add_argument("--smooth", type=positive_int, default=5,
+                   help="moving-average window in steps")
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from tppo_jax.train.plot import plot_runs
 
     dirs = [Path(d) for d in args.run_dirs]
-    missing = [str(d) for d in dirs if not (d / "metrics.jsonl").exists()]
+    missing = [str(d) for d in dirs if not (d / "metrics.jsonl").is_file()]
     if missing:
         print(f"tppo plot: no metrics.jsonl in {', '.join(missing)}", file=sys.stderr)
         return 2
@@ -104,6 +115,8 @@ def load_run_policy(run_dir: Path, step: int | None):
     cfg = load_config(run_dir / "config.yaml")
     ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", every=0, keep=1000)
     try:
+        if step is not None:
+            require_step(ckpt, step)
         files = run_model_files(run_dir, (RUN_SUBDIR, MODEL_SUBDIR))
         if files is not None and (step is not None or ckpt.latest_step() is not None):
             pdef, template = abstract_policy(files[0], cfg.model.dtype)
@@ -124,15 +137,31 @@ def load_run_policy(run_dir: Path, step: int | None):
     return cfg, tok, nnx.merge(pdef, template), step or 0, tok_file
 
 
+def require_step(ckpt: Checkpointer, step: int) -> None:
+    """Refuses a ``--step`` that was never saved (naming those that were), rather than
+    reporting it as a damaged checkpoint."""
+    from tppo_jax.config import ConfigError
+
+    saved = sorted(ckpt.mngr.all_steps())
+    if step not in saved:
+        shown = saved[-20:]  # one line: the newest, when a run keeps many
+        have = ", ".join(map(str, shown)) if saved else "none"
+        have = f"..., {have}" if len(saved) > len(shown) else have
+        raise ConfigError(f"no checkpoint of step {step} in {ckpt.directory} "
+                          f"(saved steps: {have})")
+
+
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="run directory to evaluate (its latest checkpoint)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("-k", type=int, default=8, help="samples per question (avg@k, pass@k)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=0.7)
+    p.add_argument("--step", type=non_negative_int, default=None,
+                   help="checkpoint step (default: latest)")
+    p.add_argument("-k", type=positive_int, default=8,
+                   help="samples per question (avg@k, pass@k)")
+    p.add_argument("--temperature", type=non_negative_float, default=1.0)
+    p.add_argument("--top-p", type=top_p, default=0.7, help="in (0, 1]")
     p.add_argument("--greedy", action="store_true", help="one greedy sample per question")
     p.add_argument("--out", default=None, help="results JSON (default: RUN_DIR/eval_<step>.json)")
-    p.add_argument("--show", type=int, default=0, metavar="N",
+    p.add_argument("--show", type=non_negative_int, default=0, metavar="N",
                    help="also print N held-out prompts with a completion and its grade")
 
 
@@ -181,7 +210,8 @@ def _show_samples(policy, tok, rows, prompts, grader, sampling, lens) -> None:
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="run directory")
     p.add_argument("out", help="output folder (HF config.json + model.safetensors)")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--step", type=non_negative_int, default=None,
+                   help="checkpoint step (default: latest)")
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,6 +134,11 @@ def read_examples(
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: no such file")
+    if not p.is_file():  # a directory (or a device): open() would raise from the reader
+        raise DataError(f"{p}: not a regular file (data.source names one .jsonl or .parquet "
+                        f"file)")
+    if not os.access(p, os.R_OK):
+        raise DataError(f"{p}: not readable (permission denied)")
     merged = dict(DEFAULT_FIELDS[format])
     if fields:
         unknown = set(fields) - set(merged)
