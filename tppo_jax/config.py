@@ -403,10 +403,11 @@ def safe_load_yaml(text: str, where: str) -> Any:
 
 
 def read_config_text(path: Path) -> str:
-    """A config file's text: a regular file of at most ``MAX_CONFIG_BYTES`` of UTF-8."""
+    """A config file's text: at most ``MAX_CONFIG_BYTES`` of UTF-8 (read no further, so a
+    pipe such as ``--config <(...)`` works and ``/dev/zero`` is refused)."""
     try:
-        if not path.is_file():
-            raise ConfigError(f"config file {quote_name(str(path))} is not a regular file")
+        if path.is_dir():
+            raise ConfigError(f"config file {quote_name(str(path))} is a directory")
         with path.open("rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:

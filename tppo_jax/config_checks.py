@@ -218,6 +218,13 @@ def _check_data_and_model(cfg: Config) -> None:
                           f"({cfg.data.max_steps + 2}) for daily problems")
     if cfg.model.source in ("hf", "gguf") and not cfg.model.path:
         raise ConfigError(f"model.path is required when model.source is {cfg.model.source!r}")
+    from tppo_jax.data.formats import DEFAULT_FIELDS  # light: no jax, no I/O
+
+    allowed = DEFAULT_FIELDS[cfg.data.format]
+    unknown = sorted(set(cfg.data.fields) - set(allowed))
+    if unknown:
+        raise ConfigError(f"data.fields: unknown key {quote(unknown[0])} for data.format "
+                          f"{cfg.data.format!r}; allowed: {', '.join(allowed)}")
     pt = cfg.data.prompt_template
     if pt is not None and "{question}" not in pt:
         raise ConfigError(f"data.prompt_template must contain {{question}}, got {quote(pt)}")

@@ -109,6 +109,13 @@ def test_tiny_model_head_size_must_be_even() -> None:
         load_config(None, ["model.hidden_size=12", "model.num_heads=4", "model.num_kv_heads=2"])
 
 
+def test_unknown_data_fields_key_is_refused() -> None:
+    """read_examples would raise a bare ValueError from inside `tppo train`."""
+    with pytest.raises(ConfigError, match="data.fields: unknown key 'qestion'"):
+        load_config(None, ["data.fields={qestion: q}"])
+    load_config(None, ["data.format=svamp", "data.fields={body: b}"])
+
+
 def test_values_are_quoted_as_a_short_prefix() -> None:
     with pytest.raises(ConfigError) as e:
         load_config(None, ["data.format=" + "x" * 100_000])
@@ -159,8 +166,13 @@ def test_bad_config_files_are_one_line(tmp_path: Path, content: bytes, needle: s
 
 
 def test_a_directory_as_the_config_file_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="not a regular file"):
+    with pytest.raises(ConfigError, match="is a directory"):
         load_config(tmp_path)
+
+
+def test_an_endless_config_file_is_refused() -> None:
+    with pytest.raises(ConfigError, match="over 1048576 bytes"):
+        load_config("/dev/zero")
 
 
 @pytest.mark.parametrize("args", [["reward.workers=-1"], ["--config", "BOMB"]])
