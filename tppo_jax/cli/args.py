@@ -12,8 +12,6 @@ from collections.abc import Callable
 
 from tppo_jax.config_checks import INT_MAX, quote
 
-TOKEN_ID_MAX = INT_MAX  # DecodeRequest's token ids are int32
-
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     """``--config FILE`` and ``key=value`` overrides, shared by every config-driven command."""
@@ -74,21 +72,3 @@ def top_p(text: str) -> float:
     if not 0 < v <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return v
-
-
-def token_ids(text: str) -> list[int]:
-    """An argparse type: ``"1,2,3"`` -> ``[1, 2, 3]`` (ids in ``[0, TOKEN_ID_MAX]``)."""
-    ids = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        # isascii: str.isdigit() also takes "²", which int() refuses; len: int() refuses
-        # over 4300 digits, and 11 are already past TOKEN_ID_MAX
-        if not (part.isascii() and part.isdigit() and len(part) <= 10
-                and int(part) <= TOKEN_ID_MAX):
-            raise argparse.ArgumentTypeError(
-                f"token ids are integers in [0, {TOKEN_ID_MAX}], got {quote(part)}")
-        ids.append(int(part))
-    if not ids:
-        raise argparse.ArgumentTypeError("expected comma-separated token ids, got none")
-    return ids
