@@ -218,13 +218,8 @@ def _check_data_and_model(cfg: Config) -> None:
                           f"({cfg.data.max_steps + 2}) for daily problems")
     if cfg.model.source in ("hf", "gguf") and not cfg.model.path:
         raise ConfigError(f"model.path is required when model.source is {cfg.model.source!r}")
-    from tppo_jax.data.formats import DEFAULT_FIELDS  # light: no jax, no I/O
-
-    allowed = DEFAULT_FIELDS[cfg.data.format]
-    unknown = sorted(set(cfg.data.fields) - set(allowed))
-    if unknown:
-        raise ConfigError(f"data.fields: unknown key {quote(unknown[0])} for data.format "
-                          f"{cfg.data.format!r}; allowed: {', '.join(allowed)}")
+    if cfg.data.fields:
+        _check_fields(cfg.data.format, cfg.data.fields)
     pt = cfg.data.prompt_template
     if pt is not None and "{question}" not in pt:
         raise ConfigError(f"data.prompt_template must contain {{question}}, got {quote(pt)}")
@@ -236,6 +231,20 @@ def _check_data_and_model(cfg: Config) -> None:
     if m.source == "tiny" and (head < 2 or head % 2):  # RoPE rotates pairs of dimensions
         raise ConfigError(f"model.hidden_size // model.num_heads (the head size, {head}) must "
                           f"be even and >= 2 for model.source 'tiny'")
+
+
+def _check_fields(fmt: str, fields: dict[str, str]) -> None:
+    """``data.fields`` keys the row format has (``read_examples`` would raise a bare
+    ValueError inside ``tppo train``)."""
+    # Imported only here: the data package pulls in sympy (~0.4 s), which a config without
+    # data.fields does not need.
+    from tppo_jax.data.formats import DEFAULT_FIELDS
+
+    allowed = DEFAULT_FIELDS[fmt]
+    unknown = sorted(set(fields) - set(allowed))
+    if unknown:
+        raise ConfigError(f"data.fields: unknown key {quote(unknown[0])} for data.format "
+                          f"{fmt!r}; allowed: {', '.join(allowed)}")
 
 
 def _check_layout(cfg: Config, num_devices: int | None, num_processes: int) -> None:
