@@ -1,35 +1,42 @@
 """A resumed run's config: the run's own ``config.yaml``, with command-line changes on top.
 
 ``tppo train --run-dir RUN --resume`` continues the run as it was configured, whatever
-config file or defaults are around. Changes are allowed where the checkpoint does not
-fix the value (steps, eval cadence, learning rates, loss knobs, logging, the mesh: Orbax
-restores into any sharding); keys that shape the checkpointed state or the data order
-(model, rollout slots/lengths and cache layout, data, seeds, the warm-start) are refused
-in one line.
+config file or defaults are around. ``config.yaml`` is read strictly: an empty, truncated
+or unreadable file is refused in one line (falling back to defaults would warm-start and
+train another model under the run's name). Changes are allowed where the checkpoint does
+not fix the value (steps, eval cadence, learning rates, loss knobs, logging, the mesh:
+Orbax restores into any sharding); keys that shape the tokenizer, the warm-start, the
+model, the checkpointed state or the data order are refused in one line (``frozen``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import yaml
 from etils import epath
 
 from tppo_jax.config import Config, ConfigError, load_config
 
 log = logging.getLogger(__name__)
 
-# Whole sections, then single keys, that cannot change once a run has checkpoints.
-FROZEN_SECTIONS = ("model", "data")
+# The one list of what a resume may not change. Prefixes (ending in "." or "_") cover every
+# key under them, present and future: the model (and its tokenizer), the data (rows, split,
+# synthetic task, prompts), the warm-start and its teacher corpus; then single keys that
+# shape the checkpointed slots and KV cache or the RNG/data order.
+FROZEN_PREFIXES = ("model.", "data.", "train.warmstart_")
 FROZEN_KEYS = (
     "rollout.prompts_per_step", "rollout.group_size", "rollout.max_prompt_len",
     "rollout.max_response_len", "rollout.window", "rollout.kv_policy", "rollout.kv_cache",
-    "rollout.page_size", "rollout.num_pages", "train.seed", "train.warmstart_steps",
-    "train.warmstart_lr", "train.warmstart_batch", "train.warmstart_batching",
+    "rollout.page_size", "rollout.num_pages", "train.seed",
 )
+# data.on_bad_row only decides whether a bad row stops the run; the rows kept are the same.
 MUTABLE_IN_FROZEN = ("data.on_bad_row",)
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config))  # every section config.yaml has
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -49,30 +56,92 @@ def changes(old: Config, new: Config) -> dict[str, tuple[Any, Any]]:
 
 
 def frozen(key: str) -> bool:
-    """Whether ``key`` may not change in a resumed run."""
+    """Whether ``key`` (``section.name``) may not change in a resumed run."""
     if key in MUTABLE_IN_FROZEN:
         return False
-    return key in FROZEN_KEYS or key.split(".", 1)[0] in FROZEN_SECTIONS
+    return key in FROZEN_KEYS or key.startswith(FROZEN_PREFIXES)
+
+
+def _why(e: BaseException) -> str:
+    text = getattr(e, "strerror", None) or getattr(e, "problem", None) or str(e)
+    return " ".join(str(text or type(e).__name__).split())[:160]
+
+
+def structure_problem(text: str) -> str | None:
+    """Why ``text`` cannot be a ``config.yaml`` the trainer wrote (None when it can): every
+    section is present as a mapping and the file ends with a newline, as ``to_yaml`` writes
+    it. A truncation at a line end loses whole sections (or leaves the last one empty); one
+    inside a line leaves no newline at the end."""
+    if not text.strip():
+        return "is empty"
+    if not text.endswith("\n"):
+        return "ends inside a line (truncated?)"
+    try:
+        data = yaml.safe_load(text)
+    except (yaml.YAMLError, ValueError, RecursionError) as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        return f"is not valid YAML{at} ({_why(e)})"
+    if not isinstance(data, dict):
+        return "is not a mapping of config sections (truncated or overwritten?)"
+    missing = [s for s in SECTIONS if s not in data]
+    if missing:
+        return f"has no {', '.join(missing)} section{'s' * (len(missing) > 1)} (truncated?)"
+    empty = [s for s in SECTIONS if not isinstance(data[s], dict) or not data[s]]
+    if empty:
+        return f"has an empty or malformed {', '.join(empty)} section (truncated?)"
+    return None
+
+
+def read_run_config(path: epath.Path) -> str:
+    """The text of a run's ``config.yaml``; ``ConfigError`` (one line, naming the file) when
+    it cannot be read or cannot be the config the run was started with."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        problem = f"cannot be read ({_why(e)})"
+    else:
+        problem = structure_problem(text)
+    if problem is None:
+        return text
+    raise ConfigError(f"{path} {problem}: --resume needs the run's own config; restore the "
+                      f"file (nothing was changed), or start a new --run-dir")
+
+
+def _warn_missing_keys(data: dict[str, Any], path: epath.Path) -> None:
+    """Keys a config.yaml lacks take their defaults (a run written by an older version):
+    said once each, so a hand-cut file does not pass silently."""
+    have = set(_flat(data))
+    for key, value in _flat(Config().to_dict()).items():
+        if key not in have:
+            log.warning("resume: %s has no %s: using its default %r", path, key, value)
 
 
 def resume_config(run_dir: str, config: str | None, overrides: list[str]) -> Config | None:
     """The config a resume of ``run_dir`` runs with: the run's own, plus ``overrides`` (or
     the differences of ``config`` + ``overrides`` from it, when a config is named). None
     when the run dir has no ``config.yaml`` yet (a fresh start). Changes are logged; a
-    change to a frozen key is a ``ConfigError`` naming every such key."""
+    change to a frozen key is a ``ConfigError`` naming every such key, and so is a
+    ``config.yaml`` that is empty, truncated or unreadable."""
     path = epath.Path(run_dir) / "config.yaml"  # a local folder or a bucket URL
     if not path.exists():
         return None
+    text = read_run_config(path)
+    _warn_missing_keys(yaml.safe_load(text), path)
     with tempfile.TemporaryDirectory() as tmp:  # load_config reads local files
         local = Path(tmp) / "config.yaml"
-        local.write_text(path.read_text())
-        saved = load_config(local)
+        local.write_text(text)
+        try:
+            saved = load_config(local)
+        except ConfigError as e:  # name the run's file, not the temporary copy
+            raise ConfigError(f"{path}: {str(e).replace(str(local), str(path))}") from None
         cfg = load_config(config if config is not None else local, overrides)
     diff = changes(saved, cfg)
     refused = [f"{k} ({a!r} -> {b!r})" for k, (a, b) in diff.items() if frozen(k)]
     if refused:
-        raise ConfigError(f"--resume cannot change {', '.join(refused)}: the run's checkpoints "
-                          f"and data order depend on it; start a new --run-dir instead")
+        raise ConfigError(f"--resume cannot change {', '.join(refused)}: the run's checkpoints, "
+                          f"warm-start and data order depend on it; start a new --run-dir "
+                          f"instead")
     for k, (a, b) in diff.items():
         log.info("resume: %s changed from %r to %r (run config: %s)", k, a, b, path)
     if not diff:

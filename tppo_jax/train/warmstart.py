@@ -26,7 +26,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from tppo_jax.config import Config
+from tppo_jax.config import Config, DataConfig
 from tppo_jax.data.prompts import SHORT_ANSWER_CUE
 from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.models.hf import from_pretrained, save_pretrained
@@ -49,6 +49,21 @@ def synthetic_task(cfg: Config) -> SyntheticMathTask:
 
 
 def warmstart_key(cfg: Config) -> str:
+    """The warm-start's cache key: a hash of every setting that changes its tokenizer or
+    weights (``data.on_bad_row`` does not: it is hashed as its default, so a resume may
+    change it without a new warm-start)."""
+    return _key(cfg, DataConfig.on_bad_row)
+
+
+def accepted_keys(cfg: Config) -> tuple[str, ...]:
+    """Keys a finished warm-start for ``cfg`` may carry: ``warmstart_key`` and, for a
+    config with another ``data.on_bad_row``, the key earlier versions gave it (they hashed
+    the setting as given), so those runs' own copies and caches stay valid."""
+    keys = (warmstart_key(cfg), _key(cfg, cfg.data.on_bad_row))
+    return tuple(dict.fromkeys(keys))
+
+
+def _key(cfg: Config, on_bad_row: str) -> str:
     t = cfg.train
     # The batching joins the key only when it is not the original "random", so the caches
     # (and README's keys) of configs that predate it stay valid.
@@ -57,6 +72,7 @@ def warmstart_key(cfg: Config) -> str:
     # split), so a bigger eval does not retrain the warm-start.
     data = {k: v for k, v in asdict(cfg.data).items()
             if not (k == "eval_size" and cfg.data.source == "synthetic")}
+    data["on_bad_row"] = on_bad_row
     blob = json.dumps({"model": asdict(cfg.model), "data": data,
                        "train": [t.warmstart_steps, t.warmstart_lr, t.warmstart_batch,
                                  *batching],
@@ -130,12 +146,13 @@ def _sft_step(model: Transformer, opt: nnx.Optimizer, ids: jax.Array, mask: jax.
 
 def cached(cfg: Config, cache_root: Path, *, progress: bool = True) -> Path:
     """The shared cache folder of ``cfg``'s warm-start, trained first if missing."""
-    cache = Path(cache_root) / f"warmstart-{warmstart_key(cfg)}"
-    if (cache / "DONE").exists():
-        log.info("warm-start: reusing %s", cache)
-    else:
-        _train(cfg, cache, progress)
-    return cache
+    caches = [Path(cache_root) / f"warmstart-{k}" for k in accepted_keys(cfg)]
+    done = next((c for c in caches if (c / "DONE").exists()), None)
+    if done is not None:
+        log.info("warm-start: reusing %s", done)
+        return done
+    _train(cfg, caches[0], progress)
+    return caches[0]
 
 
 def warmstart(cfg: Config, cache_root: Path, *, progress: bool = True, mesh=None
@@ -158,7 +175,7 @@ def run_copy(cfg: Config, run_dir: Path) -> Path | None:
         key = json.loads((own / "DONE").read_text())["key"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return own if key == warmstart_key(cfg) else None
+    return own if key in accepted_keys(cfg) else None
 
 
 def copy_into_run(cfg: Config, cache: Path, run_dir: Path) -> Path:
