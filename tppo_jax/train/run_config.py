@@ -17,10 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
 from etils import epath
 
-from tppo_jax.config import Config, ConfigError, load_config
+from tppo_jax.config import MAX_CONFIG_BYTES, Config, ConfigError, load_config, safe_load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -63,47 +62,52 @@ def frozen(key: str) -> bool:
 
 
 def _why(e: BaseException) -> str:
-    text = getattr(e, "strerror", None) or getattr(e, "problem", None) or str(e)
+    text = getattr(e, "strerror", None) or getattr(e, "reason", None) or str(e)
     return " ".join(str(text or type(e).__name__).split())[:160]
 
 
-def structure_problem(text: str) -> str | None:
-    """Why ``text`` cannot be a ``config.yaml`` the trainer wrote (None when it can): every
-    section is present as a mapping and the file ends with a newline, as ``to_yaml`` writes
-    it. A truncation at a line end loses whole sections (or leaves the last one empty); one
-    inside a line leaves no newline at the end."""
+def parse_run_config(text: str) -> tuple[dict[str, Any] | None, str | None]:
+    """``(sections, None)`` when ``text`` can be a ``config.yaml`` the trainer wrote, else
+    ``(None, why not)``: every section present as a non-empty mapping and the file ending
+    with a newline, as ``to_yaml`` writes it. A truncation at a line end loses whole
+    sections (or leaves the last one empty); one inside a line leaves no final newline.
+    Parsed by the config's bounded YAML reader (no aliases)."""
     if not text.strip():
-        return "is empty"
+        return None, "is empty"
     if not text.endswith("\n"):
-        return "ends inside a line (truncated?)"
+        return None, "ends inside a line (truncated?)"
     try:
-        data = yaml.safe_load(text)
-    except (yaml.YAMLError, ValueError, RecursionError) as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        return f"is not valid YAML{at} ({_why(e)})"
+        data = safe_load_yaml(text, "config.yaml")
+    except ConfigError as e:
+        return None, f"cannot be parsed ({str(e).removeprefix('config.yaml: ')})"
     if not isinstance(data, dict):
-        return "is not a mapping of config sections (truncated or overwritten?)"
+        return None, "is not a mapping of config sections (truncated or overwritten?)"
     missing = [s for s in SECTIONS if s not in data]
     if missing:
-        return f"has no {', '.join(missing)} section{'s' * (len(missing) > 1)} (truncated?)"
+        return None, (f"has no {', '.join(missing)} section{'s' * (len(missing) > 1)} "
+                      f"(truncated?)")
     empty = [s for s in SECTIONS if not isinstance(data[s], dict) or not data[s]]
     if empty:
-        return f"has an empty or malformed {', '.join(empty)} section (truncated?)"
-    return None
+        return None, f"has an empty or malformed {', '.join(empty)} section (truncated?)"
+    return data, None
 
 
-def read_run_config(path: epath.Path) -> str:
-    """The text of a run's ``config.yaml``; ``ConfigError`` (one line, naming the file) when
-    it cannot be read or cannot be the config the run was started with."""
+def read_run_config(path: epath.Path) -> tuple[str, dict[str, Any]]:
+    """The text and sections of a run's ``config.yaml``; ``ConfigError`` (one line, naming
+    the file) when it cannot be read or cannot be the config the run was started with."""
+    data, problem = None, None
     try:
-        text = path.read_text()
+        with path.open("rb") as f:  # read no further than a config can be
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            problem = f"is over {MAX_CONFIG_BYTES} bytes (a config is a few KiB)"
+        else:
+            text = raw.decode("utf-8")
+            data, problem = parse_run_config(text)
     except (OSError, UnicodeDecodeError) as e:
         problem = f"cannot be read ({_why(e)})"
-    else:
-        problem = structure_problem(text)
-    if problem is None:
-        return text
+    if data is not None:
+        return text, data
     raise ConfigError(f"{path} {problem}: --resume needs the run's own config; restore the "
                       f"file (nothing was changed), or start a new --run-dir")
 
@@ -126,8 +130,8 @@ def resume_config(run_dir: str, config: str | None, overrides: list[str]) -> Con
     path = epath.Path(run_dir) / "config.yaml"  # a local folder or a bucket URL
     if not path.exists():
         return None
-    text = read_run_config(path)
-    _warn_missing_keys(yaml.safe_load(text), path)
+    text, data = read_run_config(path)
+    _warn_missing_keys(data, path)
     with tempfile.TemporaryDirectory() as tmp:  # load_config reads local files
         local = Path(tmp) / "config.yaml"
         local.write_text(text)
