@@ -59,6 +59,20 @@ class CheckpointError(RuntimeError):
     """No checkpoint could be written, or none could be restored; the message is one line."""
 
 
+def listed_steps(directory: str | Path) -> tuple[list[int], list[str]]:
+    """``(committed steps, folders set aside as damaged)`` of a checkpoint directory, newest
+    first, read by listing it (no Orbax manager: nothing is created). A step is committed
+    when its folder has its final name (Orbax renames a finished save to it)."""
+    path = checkpoint_path(directory)
+    try:
+        names = [p.name for p in path.iterdir()] if path.exists() else []
+    except OSError:
+        return [], []
+    steps = sorted((int(n) for n in names if n.isdigit()), reverse=True)
+    damaged = sorted((n for n in names if DAMAGED in n), reverse=True)
+    return steps, damaged
+
+
 class Checkpointer:
     """Saves every ``every`` steps (and on demand), keeps the last ``keep``; each save gets
     a content manifest (``train/manifest.py``) that restores check first."""

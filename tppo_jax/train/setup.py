@@ -32,9 +32,17 @@ from tppo_jax.parallel.mesh import layout_rules, make_mesh, reshard
 from tppo_jax.rewards.grader import MathGrader, answer_format_for
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
-from tppo_jax.train.checkpoint import Checkpointer, record_model
+from tppo_jax.train.checkpoint import Checkpointer, listed_steps, record_model
 from tppo_jax.train.metrics import MetricsWriter
-from tppo_jax.train.run_dir import RunDir, pull, resolve_run_dir
+from tppo_jax.train.run_dir import (
+    RunDir,
+    RunDirError,
+    found_logs,
+    lock_run_dir,
+    pull,
+    resolve_run_dir,
+    write_atomic,
+)
 from tppo_jax.train.shapes import CompileWatch, enable_compile_cache
 from tppo_jax.train.state import TrainState, commit_to_mesh
 from tppo_jax.train.step import StepConfig, make_optimizer
@@ -105,11 +113,9 @@ def setup(cfg: Config, run_dir: str | Path, *, resume: bool, progress: bool,
     validate(cfg, num_devices=jax.device_count(), num_processes=jax.process_count())
     enable_compile_cache(cfg.train.compile_cache)
     rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
+    stack.callback(claim_run_dir(rd, resume))  # released last: after every file is closed
     ckpt = Checkpointer(rd.checkpoints, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
     try:
-        if ckpt.latest_step() is not None and not resume:
-            raise ConfigError(f"{ckpt.directory} already has checkpoints: pass --resume to "
-                              f"continue the run, or choose a new --run-dir")
         out = _build(cfg, rd, ckpt, resume, progress, stack)
     except BaseException:
         ckpt.close()
@@ -118,14 +124,67 @@ def setup(cfg: Config, run_dir: str | Path, *, resume: bool, progress: bool,
     return out
 
 
+def claim_run_dir(rd: RunDir, resume: bool, *, check: bool = True) -> Callable[[], None]:
+    """Process 0 takes the run dir's lock (one writer) and (``check``) checks that this
+    start loses nothing (``start_problem``); every process gets its answer, so all stop or
+    none. Returns the function that lets go of the lock; ``RunDirError`` (one line) else."""
+    release: Callable[[], None] = lambda: None  # noqa: E731
+    problem = None
+    if mh.is_primary():
+        try:
+            release = lock_run_dir(rd.local)
+            if check:
+                start_problem(rd, resume)
+        except RunDirError as e:
+            problem = str(e)
+    problems = [p for p in mh.gather_json(problem) if p]
+    if problems:
+        release()
+        raise RunDirError(problems[0])
+    return release
+
+
+_START_OVER = ("--start-over starts it again at step 0 (its logs move to replaced-<time>/ "
+               "in the run dir; nothing is deleted)")
+
+
+def start_problem(rd: RunDir, resume: bool) -> None:
+    """``RunDirError`` when starting would append to, or restart over, another run: a new
+    run where checkpoints or logs are, or a resume that finds no checkpoint to continue
+    from although the run has logs (or damaged checkpoints, or checkpoints elsewhere).
+    A resume with nothing there at all is a fresh start (a launcher always passes --resume)."""
+    steps, damaged = listed_steps(rd.checkpoints)
+    if steps and not resume:
+        raise RunDirError(f"{rd.checkpoints} already has checkpoints (latest step {steps[0]}): "
+                          f"pass --resume to continue the run, or choose a new --run-dir")
+    logs = found_logs(rd)
+    if not resume:
+        if logs:
+            raise RunDirError(f"{rd.local} holds another run's logs ({', '.join(logs)}): "
+                              f"--resume continues that run, {_START_OVER}, or choose a "
+                              f"new --run-dir")
+        return
+    if steps:
+        return
+    own = resolve_run_dir(rd.remote or rd.local).checkpoints  # where checkpoint.dir="" puts them
+    elsewhere = listed_steps(own)[0] if own != rd.checkpoints else []
+    found = ([f"set aside as damaged: {', '.join(damaged)}"] if damaged else []) + (
+        [f"{own} has step {elsewhere[0]}: is checkpoint.dir right?"] if elsewhere else []) + (
+        [f"logs: {', '.join(logs)}"] if logs else [])
+    if found:
+        raise RunDirError(f"--resume found no usable checkpoint in {rd.checkpoints} "
+                          f"({'; '.join(found)}) and would start again at step 0 over the "
+                          f"run's logs: {_START_OVER}")
+
+
 def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: bool,
            stack: contextlib.ExitStack) -> tuple[Run, TrainState]:
     rd.local.mkdir(parents=True, exist_ok=True)
     primary = mh.is_primary()
     if resume:  # a bucket run's logs, so the resumed run appends to them (other hosts:
         pull(rd, only=None if primary else RUN_SUBDIR)  # only the warm-start they load)
-    if primary:
-        (rd.local / "config.yaml").write_text(cfg.to_yaml())
+    if primary:  # whole or not at all: a resume refuses a truncated config.yaml
+        write_atomic(rd.local / "config.yaml", cfg.to_yaml())
     progress = progress and cfg.logging.progress
     m, r = cfg.mesh, cfg.rollout
     mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
@@ -148,8 +207,9 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
     run.steps = build_steps(run, state, tx_p, tx_v)
     run.grader = make_grader(cfg)
     stack.callback(run.grader.close)
+    # Rows past the restored step are dropped (logged again); nothing restored: none are.
     run.metrics = MetricsWriter(rd.local, tensorboard=cfg.logging.tensorboard,
-                                resume_step=run.start if resume else None)
+                                resume_step=run.start or None)
     stack.callback(run.metrics.close)
     return run, state
 
