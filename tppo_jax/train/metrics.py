@@ -1,17 +1,31 @@
 """Per-step metrics: JSONL (always), TensorBoard events (optional). Process 0 writes.
 
 Also a few sampled completions per step (``samples.jsonl``, and TensorBoard text), so a run
-shows what the model writes, not only how it scores."""
+shows what the model writes, not only how it scores.
+
+A row is appended whole or not at all (``append_whole``): on a full disk the file keeps its
+earlier rows and parses; the failure is an ``OSError`` naming the file. TensorBoard events
+are a mirror: a write that fails there turns TensorBoard off with one warning, never
+blocking or stopping the run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import os
+import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 import jax
+
+from tppo_jax.train.run_dir import write_atomic
+
+log = logging.getLogger(__name__)
 
 
 def _clean(v: Any) -> Any:
@@ -20,6 +34,26 @@ def _clean(v: Any) -> Any:
     except (TypeError, ValueError):
         return v
     return f if math.isfinite(f) else str(f)
+
+
+def append_whole(path: Path, text: str) -> None:
+    """Appends ``text`` with as few ``os.write`` calls as the OS allows; when one fails
+    (ENOSPC mid-row: a short write, then the error) the file is cut back to its size
+    before, so a reader never sees half a row. Raises the ``OSError`` with ``path`` set."""
+    data = text.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        os.close(fd)
 
 
 class MetricsWriter:
@@ -39,31 +73,26 @@ class MetricsWriter:
         if self.enabled and tensorboard:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            # max_queue=0: an unbounded queue, so an event writer that died (full disk)
+            # never blocks the step that logs next; _tb_alive turns it off first.
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), max_queue=0)
+            _quiet_thread_failures(self.tb)
 
     def _truncate(self, step: int) -> None:
         """Drops rows past the checkpoint being resumed (a killed run may have logged steps
-        it never saved) and continues the wall clock where the kept rows left off."""
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by the kill
-            if row.get("step", 0) <= step:
-                kept.append(row)
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        if kept:
-            self.last = kept[-1]
-            self.t0 = time.time() - float(kept[-1].get("wall_time", 0.0))
+        it never saved; the resumed run logs them again) and continues the wall clock where
+        the kept rows left off. Every row up to ``step`` stays; the file is replaced whole."""
+        rows = [r for r in map(json.loads, _kept_rows(self.path, step)) if isinstance(r, dict)]
+        if rows:
+            self.last = rows[-1]
+            self.t0 = time.time() - float(self.last.get("wall_time", 0.0))
 
     def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         row = {"step": step, "wall_time": time.time() - self.t0}
         row.update({k: _clean(v) for k, v in metrics.items()})
         if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps(row) + "\n")
-            if self.tb is not None:
+            append_whole(self.path, json.dumps(row) + "\n")
+            if self._tb_alive():
                 for k, v in row.items():
                     if isinstance(v, float | int) and k != "step":
                         self.tb.add_scalar(k, v, step)
@@ -73,15 +102,56 @@ class MetricsWriter:
         """One JSON line per sample (``step`` added); TensorBoard gets them as markdown text."""
         if not (self.enabled and samples):
             return
-        with self.samples_path.open("a") as f:
-            for s in samples:
-                f.write(json.dumps({"step": step, **s}) + "\n")
-        if self.tb is not None:
+        append_whole(self.samples_path,
+                     "".join(json.dumps({"step": step, **s}) + "\n" for s in samples))
+        if self._tb_alive():
             self.tb.add_text("samples", "\n\n---\n\n".join(_markdown(s) for s in samples), step)
 
+    def _tb_alive(self) -> bool:
+        """False (and TensorBoard off, said once) when its event writer thread has died."""
+        if self.tb is None:
+            return False
+        if all(_worker(w).is_alive() for w in self.tb.all_writers.values()):
+            return True
+        log.warning("tensorboard: its event writer stopped (a failed write under %s); "
+                    "TensorBoard events end here, metrics.jsonl goes on", self.path.parent)
+        self.tb = None
+        return False
+
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        tb, self.tb = self.tb, None
+        if tb is None:
+            return
+        try:
+            tb.close()
+        except OSError as e:  # the final flush on a full disk: the JSONL files are the record
+            log.warning("tensorboard: could not flush its events (%s)", e.strerror or e)
+
+
+def _worker(event_file_writer: Any) -> threading.Thread:
+    return event_file_writer.event_writer._worker
+
+
+_TB_WORKERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_HOOKED: list[bool] = []  # the thread hook below is installed once per process
+
+
+def _quiet_thread_failures(tb: Any) -> None:
+    """A failed write in TensorBoard's writer thread ends the thread; its traceback (tens
+    of lines, on a full disk next to the run's own one-line stop) is dropped here:
+    ``_tb_alive`` says it in one line at the next step. Other threads' errors pass on."""
+    _TB_WORKERS.update(_worker(w) for w in tb.all_writers.values())
+    if _HOOKED:
+        return
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if args.thread in _TB_WORKERS and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    threading.excepthook = hook
+    _HOOKED.append(True)
 
 
 def _markdown(sample: dict[str, Any]) -> str:
@@ -91,15 +161,25 @@ def _markdown(sample: dict[str, Any]) -> str:
             f"```\n{sample.get('completion', '')}\n```")
 
 
-def _truncate_jsonl(path: Path, step: int) -> None:
-    """Keeps the rows of ``path`` up to ``step`` (a resumed run re-logs the steps after)."""
-    if not path.exists():
-        return
-    kept = []
+def _kept_rows(path: Path, step: int) -> list[str]:
+    """Rewrites ``path`` (atomically) with its rows up to ``step`` and returns them. A line
+    that does not parse (cut by a kill in an older version) is dropped, and said."""
+    kept, cut = [], 0
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line + "\n")
+            row = json.loads(line)
         except json.JSONDecodeError:
+            cut += 1
             continue
-    path.write_text("".join(kept))
+        if not isinstance(row, dict) or row.get("step", 0) <= step:
+            kept.append(line)
+    if cut:
+        log.warning("%s: dropped %d line(s) that do not parse", path, cut)
+    write_atomic(path, "".join(f"{line}\n" for line in kept))
+    return kept
+
+
+def _truncate_jsonl(path: Path, step: int) -> None:
+    """Keeps the rows of ``path`` up to ``step`` (a resumed run re-logs the steps after)."""
+    if path.exists():
+        _kept_rows(path, step)
