@@ -58,6 +58,14 @@ def greedy_changes(before: str, after: str) -> dict[str, int]:
     return {"lost": lost, "gained": gained}
 
 
+def changed_questions(before: str, after: str) -> dict[str, list[int]]:
+    """The held-out indices behind ``greedy_changes``: whether seeds lose the *same* questions
+    (a systematic effect of the reward) or different ones (the update's noise)."""
+    pairs = list(zip(before, after, strict=True))
+    return {"lost": [i for i, (b, a) in enumerate(pairs) if b == "x" and a == "."],
+            "gained": [i for i, (b, a) in enumerate(pairs) if b == "." and a == "x"]}
+
+
 def four_numbers(ev: dict, k: int) -> dict[str, float]:
     """avg@k, pass@k, greedy (percent) and steps-valid fraction of one held-out eval."""
     return {"avg": ev[f"avg@{k}"], "pass": ev[f"pass@{k}"], "greedy": ev["greedy_accuracy"],
@@ -77,6 +85,8 @@ def summarize_run(run_dir: Path, k: int, n_questions: int) -> dict:
     if "greedy_correct_mask" in before and "greedy_correct_mask" in after:
         out["greedy_changes"] = greedy_changes(before["greedy_correct_mask"],
                                                after["greedy_correct_mask"])
+        out["greedy_changed_questions"] = changed_questions(before["greedy_correct_mask"],
+                                                            after["greedy_correct_mask"])
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]
     out["steps"] = len(steps)
@@ -95,6 +105,9 @@ def aggregate(runs: list[dict]) -> dict:
     ch = [r["greedy_changes"] for r in runs if "greedy_changes" in r]
     if ch:
         out["greedy_changes"] = {k: sum(c[k] for c in ch) for k in ("lost", "gained")}
+    lost = [q for r in runs for q in r.get("greedy_changed_questions", {}).get("lost", [])]
+    if lost:  # question -> how many runs lost it (the same few in every seed: systematic)
+        out["greedy_lost_by_question"] = {str(q): lost.count(q) for q in sorted(set(lost))}
     return out
 
 

@@ -37,11 +37,13 @@ def test_summarize_run_reads_summary_and_metrics(tmp_path):
     r = summarize_run(tmp_path, k=4, n_questions=4)
     assert r["delta"] == {"avg": 20.0, "pass": 5.0, "greedy": -25.0, "steps_valid": 0.0}
     assert r["greedy_changes"] == {"lost": 2, "gained": 1}
+    assert r["greedy_changed_questions"] == {"lost": [1, 2], "gained": [3]}
     assert r["se"]["greedy"] == pytest.approx(math.hypot(binomial_se(75, 4), binomial_se(50, 4)))
     assert r["steps"] == 2 and r["train_time_s"] == 4.0
     assert r["curves"]["explained_variance"] == [0.1, 0.3]
     agg = aggregate([r, r])
     assert agg["avg"] == {"mean": 20.0, "min": 20.0, "max": 20.0}
     assert agg["greedy_changes"] == {"lost": 4, "gained": 2}
+    assert agg["greedy_lost_by_question"] == {"1": 2, "2": 2}  # the same two in both runs
     assert meets(agg, avg_gain=15.0, greedy_drop=1.0) == {"avg": True, "pass": True,
                                                          "greedy": False}
