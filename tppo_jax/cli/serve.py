@@ -24,6 +24,68 @@ from typing import Any
 
 log = logging.getLogger("tppo.serve")
 DEFAULT_PORT = 9000
+DEFAULT_SLOTS = 8
+
+
+# --------------------------------------------------------------------- argument types
+# argparse turns the ArgumentTypeError of a type= function into one usage line, exit 2.
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}") from None
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+def _port(allow_any: bool) -> Callable[[str], int]:
+    """A port number as ``rollout.server.check_port`` allows it (``allow_any``: 0 too)."""
+    def parse(text: str) -> int:
+        from tppo_jax.rollout.server import check_port
+
+        value = _integer(text)
+        try:
+            check_port(value, allow_any=allow_any)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text[:40]!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text[:40]!r}")
+    return value
+
+
+MAX_TOKEN_ID = 2**31 - 1  # DecodeRequest.token_ids are int32
+
+
+def _token_ids(text: str) -> list[int]:
+    """``5,6,7`` -> ``[5, 6, 7]`` (the server checks them against its vocabulary)."""
+    parts = [x.strip() for x in text.split(",") if x.strip()]
+    if not parts or not all(x.isascii() and x.isdigit() and int(x) <= MAX_TOKEN_ID
+                            for x in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token ids in 0..{MAX_TOKEN_ID}, got {text[:40]!r}")
+    return [int(x) for x in parts]
+
+
+def _host(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("host must not be empty")
+    return text.strip()
 
 
 def _prefill_bucket(n: int) -> int:
@@ -92,10 +154,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file or shipped config name")
     p.add_argument("--checkpoint", default=None,
                    help="HF-format policy directory (tokenizer beside it or in its parent)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 = any free port")
-    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1 only)")
-    p.add_argument("--slots", type=int, default=8, help="concurrent decodes")
-    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--port", type=_port(allow_any=True), default=DEFAULT_PORT,
+                   help="1..65535, or 0 = any free port (printed on the READY line)")
+    p.add_argument("--host", type=_host, default=None,
+                   help="bind address (default 127.0.0.1 only)")
+    p.add_argument("--slots", type=_int_at_least(1), default=DEFAULT_SLOTS,
+                   help="concurrent decodes")
+    p.add_argument("--page-size", type=_int_at_least(1), default=None)
     p.add_argument("--verbose", action="store_true", help="log every JetStream step")
 
 
@@ -106,6 +171,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tppo_jax.rollout.engine import TPPOEngine
     from tppo_jax.rollout.server import EngineServer
 
+    host = args.host or LOOPBACK_HOST
+    if (err := _serve_arg_error(args, host)) is not None:
+        return _refuse(err)
     # JetStream logs every decode step at INFO on the root logger; keep that for --verbose.
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", force=True)
@@ -113,7 +181,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     r = cfg.rollout
     scratch = Path(tempfile.mkdtemp(prefix="tppo-serve-"))
     try:
-        model, tok, tok_path, what = load_serving_model(args.checkpoint, cfg, scratch)
+        try:
+            model, tok, tok_path, what = load_serving_model(args.checkpoint, cfg, scratch)
+        except (OSError, ValueError) as e:  # no tokenizer / config.json, unreadable files
+            return _refuse(f"cannot load the model to serve: {e}")
         prefill = _prefill_bucket(r.max_prompt_len)
         engine = TPPOEngine(
             model, tok, max_slots=args.slots, page_size=args.page_size or r.page_size,
@@ -121,7 +192,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_prefill_length=prefill, tokenizer_path=tok_path, strict_insert=False,
             num_pages=r.num_pages, kv_cache=r.kv_cache,
             sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
-        server = EngineServer(engine, host=args.host or LOOPBACK_HOST, port=args.port).start()
+        try:
+            server = EngineServer(engine, host=host, port=args.port).start()
+        except OSError as e:  # the port was taken while the model loaded
+            return _refuse(str(e))
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
@@ -137,15 +211,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def _serve_arg_error(args: argparse.Namespace, host: str) -> str | None:
+    """What is wrong with ``serve``'s arguments beyond their types, checked before a model is
+    loaded or compiled: a missing ``--checkpoint`` folder, a busy port."""
+    from tppo_jax.rollout.server import ensure_port_free
+
+    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
+        return f"--checkpoint {args.checkpoint}: not a directory"
+    try:
+        ensure_port_free(host, args.port)
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def _refuse(msg: str) -> int:
+    print(f"tppo serve: {msg}", file=sys.stderr)
+    return 2
+
+
 # ------------------------------------------------------------------------------- generate
 def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default="", help="prompt text")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--token-ids", default=None,
+    p.add_argument("--port", type=_port(allow_any=False), default=DEFAULT_PORT)
+    p.add_argument("--host", type=_host, default="127.0.0.1")
+    p.add_argument("--max-tokens", type=_int_at_least(1), default=64)
+    p.add_argument("--token-ids", type=_token_ids, default=None,
                    help="comma-separated prompt token ids instead of text")
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds")
+    p.add_argument("--timeout", type=_positive_float, default=120.0, help="seconds")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -158,8 +251,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     req = jetstream_pb2.DecodeRequest(max_tokens=args.max_tokens)
     if args.token_ids is not None:
-        ids = [int(x) for x in args.token_ids.split(",") if x.strip()]
-        req.token_content.CopyFrom(jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids))
+        req.token_content.CopyFrom(jetstream_pb2.DecodeRequest.TokenContent(
+            token_ids=args.token_ids))
     else:
         req.text_content.CopyFrom(jetstream_pb2.DecodeRequest.TextContent(text=args.prompt))
     with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:

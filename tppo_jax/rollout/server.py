@@ -7,15 +7,25 @@ engine in interleaved mode, and serve it with our own ``grpc.aio`` server instea
 * requests are validated *before* they reach the driver: JetStream's worker threads SIGKILL
   the whole process on any exception, so a malformed request (empty prompt, token ids out of
   the vocabulary, ``max_tokens < 1``) must be rejected with ``INVALID_ARGUMENT`` up front;
-* the bind address and port are explicit (port 0 picks a free port and reports it).
+* the bind address and port are explicit (port 0 picks a free port and reports it), and the
+  server owns its port: gRPC's default ``SO_REUSEPORT`` would let a second server start on a
+  busy port and share its traffic (answers from two models), so port sharing is off and a busy
+  port is an ``OSError``.
+
+The driver also stops working for a client that has gone: an abandoned request still waiting is
+never prefilled, and one in a slot frees the slot at the next decode step (JetStream decodes
+both to ``max_tokens``, so abandoned requests delayed every later one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import queue
+import socket
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent import futures
 from typing import Any
 
@@ -27,18 +37,118 @@ import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
 # isort: split
 from jetstream.core import orchestrator
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
-from jetstream.engine import token_utils
+from jetstream.engine import engine_api, token_utils
 
 from tppo_jax.compat.jetstream import LOOPBACK_HOST, quiet_logging
 from tppo_jax.rollout.engine import EngineParams, TPPOEngine
+from tppo_jax.rollout.tokenizer_adapter import encode_request_text
 
 log = logging.getLogger(__name__)
+
+MAX_PORT = 65535
+# No port sharing: with SO_REUSEPORT a second server binds a busy port and the kernel splits
+# connections between the two.
+GRPC_OPTIONS = (("grpc.so_reuseport", 0),)
+
+
+def check_port(port: int, *, allow_any: bool = True) -> None:
+    """Raises ``ValueError`` unless ``port`` is in 1..65535, or 0 (any free port) when
+    ``allow_any``: gRPC would bind ``port % 65536`` instead of refusing."""
+    low = 0 if allow_any else 1
+    if isinstance(port, bool) or not isinstance(port, int) or not low <= port <= MAX_PORT:
+        what = f"0 (any free port) or 1..{MAX_PORT}" if allow_any else f"1..{MAX_PORT}"
+        raise ValueError(f"port must be {what}, got {port!r}")
+
+
+def ensure_port_free(host: str, port: int) -> None:
+    """Raises ``OSError`` (one line) when something already listens on ``host:port``: checked
+    with a plain socket first, so a busy port is refused before a model is loaded (and
+    without gRPC's own error log line)."""
+    check_port(port)
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise OSError(f"cannot bind {host}:{port}: {e.strerror}") from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            # As gRPC does: TIME_WAIT leftovers of a stopped server do not block the port.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                # Anything else (e.g. no IPv6 for the ::1 of "localhost") is gRPC's to judge:
+                # it serves on the addresses it can bind.
+                if e.errno == errno.EADDRINUSE:
+                    raise OSError(f"port {port} on {host} is already in use (another "
+                                  f"`tppo serve`?); pick another --port, or 0 for any free "
+                                  f"port") from None
+
+
+def _abandoned(request: Any) -> bool:
+    """Whether the client of ``request`` has gone (its stream cancelled or the driver
+    stopping, which drops the channel)."""
+    channel = getattr(request, "return_channel", None)
+    return isinstance(request, orchestrator.ActiveRequest) and (
+        channel is None or channel.cancelled())
+
+
+class _SkipAbandoned(queue.Queue):
+    """The prefill backlog: ``get`` drops the requests whose client has gone, so they are
+    never prefilled (``on_drop`` counts them)."""
+
+    def __init__(self, on_drop: Callable[[], None]) -> None:
+        super().__init__()
+        self._on_drop = on_drop
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        while True:
+            item = super().get(block, timeout)
+            if not _abandoned(item):
+                return item
+            self._on_drop()
 
 
 class PromptAsSentDriver(orchestrator.Driver):
     """JetStream's ``Driver``, except that a prompt is served exactly as sent: token-id
     requests are not given a leading ``bos_id`` (JetStream adds one to every request whose
-    ``history_path`` is empty), and text is encoded as the model's tokenizer does."""
+    ``history_path`` is empty), and text is encoded as the model's tokenizer does; and that a
+    request whose client has gone is dropped before prefill or freed from its slot at the
+    next step (``abandoned`` counts them)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._skipped = 0  # abandoned before prefill (prefill thread only)
+        self._freed = 0  # abandoned in a slot (detokenize thread only)
+        self._live: dict[int, dict[int, orchestrator.ActiveRequest]] = {}  # engine -> slot -> req
+        super().__init__(*args, **kwargs)  # starts the threads
+
+    # JetStream's __init__ assigns the prefill backlog and starts the threads that read it in
+    # one go; a property installs our queue at that assignment, before any thread runs.
+    @property
+    def _prefill_backlog(self) -> queue.Queue:
+        return self.__dict__["_prefill_queue"]
+
+    @_prefill_backlog.setter
+    def _prefill_backlog(self, _jetstream_queue: queue.Queue) -> None:
+        self.__dict__["_prefill_queue"] = _SkipAbandoned(self._count_skipped)
+
+    def _count_skipped(self) -> None:
+        self._skipped += 1
+
+    @property
+    def abandoned(self) -> int:
+        """Requests whose client went away before they finished, and that were dropped."""
+        return self._skipped + self._freed
+
+    def busy_slots(self) -> int:
+        """Slots decoding a request now. (Not JetStream's free-slot queue: its generate thread
+        holds one slot out of that queue while it waits for work, even when idle.)"""
+        return sum(len(live) for live in self._live.values())
+
+    def queued(self) -> int:
+        """Requests waiting for prefill."""
+        return self._prefill_backlog.qsize()
 
     def _process_prefill_content(self, request: Any, tokenizer: Any, is_bos: bool,
                                  max_prefill_length: int) -> tuple[Any, int]:
@@ -52,28 +162,68 @@ class PromptAsSentDriver(orchestrator.Driver):
                                       max_prefill_length=max_prefill_length,
                                       jax_padding=self._jax_padding)
 
+    def _detokenize_thread(self, idx: int) -> None:
+        """JetStream's detokenize loop (tokens of each step to each live slot's stream, slot
+        freed when its request is complete), except that the slot of a request whose client
+        has gone is freed at once instead of being decoded to ``max_tokens``."""
+        backlog = self._detokenize_backlogs[idx]
+        engine = self._generate_engines[idx]
+        free = self._generate_slots[idx]
+        tokenizer = engine.build_tokenizer(engine.get_tokenizer())
+        live = self._live.setdefault(idx, {})
+        while self.live:
+            data = backlog.get(block=True)
+            if data is None:
+                break
+            if not isinstance(data[1], engine_api.ResultTokens):
+                slot, request = data  # from now on, this slot's tokens go to this request
+                live[slot] = request
+                continue
+            result = data[1].convert_to_numpy()
+            for slot, request in list(live.items()):
+                if _abandoned(request):
+                    self._freed += 1
+                else:
+                    samples, request.complete = token_utils.process_result_tokens(
+                        tokenizer=tokenizer, slot=slot, slot_max_length=request.max_tokens,
+                        result_tokens=result, complete=request.complete,
+                        is_client_side_tokenization=request.is_client_side_tokenization)
+                    request.enqueue_samples(samples)
+                    if not request.complete.all():
+                        continue
+                    request.return_channel.close()
+                del live[slot]
+                free.put(slot, block=False)
+
 
 def validate_request(request: jetstream_pb2.DecodeRequest, vocab_size: int,
-                     max_prompt_tokens: int | None = None) -> str | None:
+                     max_prompt_tokens: int | None = None,
+                     encode: Callable[[str], list[int]] | None = None) -> str | None:
     """Why ``request`` cannot be served, or None if it is fine. A prompt longer than the
-    engine's prefill length is refused rather than silently truncated."""
+    engine's prefill length is refused rather than silently truncated (JetStream keeps its
+    last tokens): token ids as sent, text as ``encode`` (the served encoding) gives it."""
     if request.max_tokens < 1:
         return f"max_tokens must be >= 1, got {request.max_tokens}"
     which = request.WhichOneof("content")
     if which is None:
         return "request has neither text_content nor token_content"
     if which == "text_content":
-        if not request.text_content.text.strip():
+        text = request.text_content.text
+        if not text.strip():
             return "empty prompt text"
-        return None
+        return None if encode is None else _too_long(len(encode(text)), max_prompt_tokens)
     ids = list(request.token_content.token_ids)
     if not ids:
         return "empty token_content"
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         return f"token ids out of vocabulary [0, {vocab_size}): {bad[:5]}"
-    if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-        return f"prompt has {len(ids)} tokens; this server takes at most {max_prompt_tokens}"
+    return _too_long(len(ids), max_prompt_tokens)
+
+
+def _too_long(n: int, limit: int | None) -> str | None:
+    if limit is not None and n > limit:
+        return f"prompt has {n} tokens; this server takes at most {limit}"
     return None
 
 
@@ -81,16 +231,21 @@ class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
     """JetStream's servicer, rejecting malformed requests before they reach the driver."""
 
     def __init__(self, driver: orchestrator.Driver, vocab_size: int,
-                 max_prompt_tokens: int | None = None) -> None:
+                 max_prompt_tokens: int | None = None,
+                 encode: Callable[[str], list[int]] | None = None) -> None:
         super().__init__(driver=driver)
         self._vocab_size = vocab_size
         self._max_prompt_tokens = max_prompt_tokens
+        self._encode = encode
 
     async def Decode(  # noqa: N802  (gRPC method name)
         self, request: jetstream_pb2.DecodeRequest,
         context: grpc.aio.ServicerContext | None = None,
     ) -> AsyncIterator[jetstream_pb2.DecodeResponse]:
-        err = validate_request(request, self._vocab_size, self._max_prompt_tokens)
+        # Off the event loop: encoding a long text must not stall every other stream.
+        err = await asyncio.get_running_loop().run_in_executor(
+            None, validate_request, request, self._vocab_size, self._max_prompt_tokens,
+            self._encode)
         if err is not None:
             log.warning("rejected request: %s", err)
             if context is None:
@@ -107,11 +262,13 @@ class EngineServer:
     Args:
       engine: the engine (used as both prefill and generate engine).
       params: its ``EngineParams`` (default ``engine.load_params()``).
-      host: bind address (default loopback); port: 0 = any free port (see ``self.port``).
+      host: bind address (default loopback); port: 0 = any free port (see ``self.port``),
+        else 1..65535, not shared with another server (``OSError`` when it is busy).
     """
 
     def __init__(self, engine: TPPOEngine, params: EngineParams | None = None, *,
                  host: str = LOOPBACK_HOST, port: int = 0, threads: int = 16) -> None:
+        ensure_port_free(host, port)  # before any thread starts
         engine.strict_insert = False  # a raising insert would kill the server process
         params = engine.load_params() if params is None else params
         self.engine = engine
@@ -128,11 +285,17 @@ class EngineServer:
         bind = f"[{host}]" if ":" in host and not host.startswith("[") else host
         vocab = engine.config.vocab_size
 
+        # A text prompt is measured as the driver will encode it (JetStreamTokenizer.encode).
+        encode = lambda text: encode_request_text(engine.tokenizer, text)  # noqa: E731
+
         async def build() -> tuple[grpc.aio.Server, int]:
-            server = grpc.aio.server(self._executor)
-            jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
-                ValidatingOrchestrator(self.driver, vocab, engine.max_prefill_length), server)
-            return server, server.add_insecure_port(f"{bind}:{port}")
+            server = grpc.aio.server(self._executor, options=GRPC_OPTIONS)
+            jetstream_pb2_grpc.add_OrchestratorServicer_to_server(ValidatingOrchestrator(
+                self.driver, vocab, engine.max_prefill_length, encode), server)
+            try:
+                return server, server.add_insecure_port(f"{bind}:{port}")
+            except RuntimeError:  # lost a race for the port since ensure_port_free
+                return server, 0
 
         self._server, self.port = self._run(build())
         if self.port == 0:
