@@ -105,6 +105,7 @@ RANGES: dict[str, Range] = {
     "algo.alpha": POSITIVE, "algo.eps_low": Range(0, 1, lo_open=True, hi_open=True),
     "algo.eps_high": POSITIVE, "algo.dual_clip_c": Range(1, lo_open=True),
     "algo.window_ignore_tokens": NON_NEGATIVE, "algo.nll_coef": NON_NEGATIVE,
+    "algo.kl_coef": NON_NEGATIVE,
     "algo.critic_warmup_steps": NON_NEGATIVE, "algo.value_pretrain_steps": NON_NEGATIVE,
     "algo.advantage_clip": POSITIVE, "algo.value_clip_low": NON_NEGATIVE,
     "algo.value_clip_high": NON_NEGATIVE,

@@ -148,6 +148,17 @@ def explained_variance(values: Array, returns: Array, mask: Array) -> Array:
     return jnp.where(var_g > 0, 1.0 - var_r / jnp.maximum(var_g, 1e-12), 0.0)
 
 
+def kl_to_reference(logp: Array, ref_logp: Array, mask: Array,
+                    n_tokens: Array | None = None) -> Array:
+    """KL(pi || pi_ref) per sampled token by the k3 estimator, ``exp(d) - d - 1`` with
+    ``d = ref_logp - logp`` (unbiased for tokens sampled from ``pi``, always >= 0; verl's
+    ``low_var_kl``), mean over ``mask`` (token-level, ``n_tokens`` as in ``policy_loss``).
+    ``d`` is clamped to ``+-LOG_RATIO_CLAMP`` so a token the reference finds impossible
+    cannot overflow. ``logp``/``ref_logp``/``mask``: ``[B, T]``."""
+    d = jnp.clip(ref_logp - logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return aggregate(jnp.expm1(d) - d, mask, mode="token", denom=n_tokens)
+
+
 def nll_loss(logp: Array, mask: Array, n_tokens: Array | None = None) -> Array:
     """VAPO positive-example loss: mean token NLL over ``mask``; 0 when the mask is
     empty (no correct sample in the batch). ``logp``/``mask``: ``[B, T]``; ``n_tokens`` as

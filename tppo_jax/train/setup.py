@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from tppo_jax.config import Config, ConfigError, validate
@@ -96,6 +97,9 @@ class Run:
     metrics: MetricsWriter = field(init=False)
     start: int = 0  # the step the run (re)starts from
     eval_before: dict[str, Any] | None = None
+    # The policy RL started from, for algo.kl_coef > 0 (else None): made before a resume
+    # restores the trained params, so a resumed run keeps the same reference
+    ref_policy: Any = None
 
     @property
     def run_dir(self) -> Path:
@@ -201,6 +205,7 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
                        commit_to_mesh(tx_p.init(models.policy), mesh),
                        commit_to_mesh(tx_v.init(models.value), mesh))
     models.policy = models.value = None  # the params live in TrainState: no second copy
+    run.ref_policy = reference_copy(state.policy) if cfg.algo.kl_coef > 0 else None
     run.sched = make_scheduler(run, state)
     if resume:
         state = restore(run, state)
@@ -212,6 +217,12 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
                                 resume_step=run.start or None)
     stack.callback(run.metrics.close)
     return run, state
+
+
+def reference_copy(params: Any) -> Any:
+    """A copy of ``params`` in their shardings that the updates cannot touch (they donate
+    the buffers of the params they replace)."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
 
 
 def prompt_rows(cfg: Config, tok: Tokenizer

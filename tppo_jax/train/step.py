@@ -154,11 +154,12 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
 
 
 def policy_group_loss(graphdef: Any, params: Any, mb: dict[str, jax.Array],
-                      denoms: dict[str, jax.Array], cfg: StepConfig
+                      denoms: dict[str, jax.Array], ref: Any = None, *, cfg: StepConfig
                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The policy loss of one row group of a minibatch: clipped surrogate on the policy mask
-    + ``nll_coef`` x positive-example NLL, each divided by the whole minibatch's count
-    (``denoms``: ``tokens``/``rows`` of the policy mask, ``positive`` tokens), so a
+    + ``nll_coef`` x positive-example NLL (+ ``kl_coef`` x KL to the reference policy, whose
+    params ``ref`` are given when ``kl_coef > 0``), each divided by the whole minibatch's
+    count (``denoms``: ``tokens``/``rows`` of the policy mask, ``positive`` tokens), so a
     minibatch's loss and mean stats are the sums over its groups.
 
     ``mb``: ``[R, W]`` ``tokens, attn, sample_logprobs, advantages, policy_mask,
@@ -174,7 +175,14 @@ def policy_group_loss(graphdef: Any, params: Any, mb: dict[str, jax.Array],
     nll = algo.nll_loss(logp, mb["positive_mask"], n_tokens=denoms["positive"])
     stats = dict(stats, pg_loss=pl, nll_loss=nll,
                  entropy=algo.aggregate(ent, mb["policy_mask"], denom=denoms["tokens"]))
-    return pl + a.nll_coef * nll, stats
+    loss = pl + a.nll_coef * nll
+    if ref is not None:  # the reference's forward carries no gradient
+        ref_logp, _ = policy_token_logprobs(nnx.merge(graphdef, jax.lax.stop_gradient(ref)),
+                                            mb["tokens"], mb["attn"], cfg.temperature)
+        kl = algo.kl_to_reference(logp, ref_logp, mb["policy_mask"], n_tokens=denoms["tokens"])
+        stats["kl_ref"] = kl
+        loss = loss + a.kl_coef * kl
+    return loss, stats
 
 
 def value_group_loss(graphdef: Any, params: Any, mb: dict[str, jax.Array],

@@ -79,10 +79,11 @@ def minibatch_denoms(counts: dict[str, jax.Array], weight: jax.Array) -> dict[st
 
 
 def group_grads(loss_fn: Callable, params: Any, mb: dict[str, jax.Array],
-                denoms: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], Any]:
-    """``(stats, grads)`` of one row group; ``stats["loss"]`` is its part of the loss."""
+                denoms: dict[str, jax.Array], *ref: Any) -> tuple[dict[str, jax.Array], Any]:
+    """``(stats, grads)`` of one row group; ``stats["loss"]`` is its part of the loss
+    (``ref``: the reference policy's params, for a policy loss with ``algo.kl_coef > 0``)."""
     (loss, stats), grads = jax.value_and_grad(loss_fn, argnums=0, has_aux=True)(
-        params, mb, denoms)
+        params, mb, denoms, *ref)
     return dict(stats, loss=loss), grads
 
 
@@ -133,6 +134,7 @@ class Updater:
     or made from host arrays ``lengths [B]`` (columns each row uses; default: ``attn``'s row
     sums, a device sync), ``shuffle [B, epochs]`` (each epoch's row order; default:
     ``batch["shuffle"]`` or the given order) and ``rows`` (the rows to train on; default all).
+    ``ref``: the reference policy's params, required when ``uses_ref``.
     """
 
     kind: Kind
@@ -146,6 +148,7 @@ class Updater:
     denoms: Callable
     combine: Callable
     explained_variance: Callable
+    uses_ref: bool = False  # the policy loss has a KL-to-reference term (algo.kl_coef > 0)
 
     def plan(self, lengths: np.ndarray, width: int, shuffle: np.ndarray | None = None,
              rows: np.ndarray | None = None) -> list[Minibatch]:
@@ -158,8 +161,11 @@ class Updater:
 
     def __call__(self, params: Any, opt_state: Any, batch: dict[str, jax.Array], *,
                  plan: list[Minibatch] | None = None, lengths: np.ndarray | None = None,
-                 shuffle: np.ndarray | None = None, rows: np.ndarray | None = None
-                 ) -> tuple[Any, Any, dict[str, jax.Array]]:
+                 shuffle: np.ndarray | None = None, rows: np.ndarray | None = None,
+                 ref: Any = None) -> tuple[Any, Any, dict[str, jax.Array]]:
+        if self.uses_ref and ref is None:
+            raise ValueError("algo.kl_coef > 0: the policy update needs the reference params")
+        extra = (ref,) if self.uses_ref else ()
         if plan is None:
             if lengths is None:
                 lengths = np.asarray(jax.device_get(batch["attn"].sum(1)))
@@ -172,7 +178,8 @@ class Updater:
             d = self.denoms(counts, mb.weight)
             acc = None
             for g in mb.groups:
-                part = self.grads(params, self.take(batch, g.rows, g.valid, width=g.width), d)
+                part = self.grads(params, self.take(batch, g.rows, g.valid, width=g.width), d,
+                                  *extra)
                 acc = part if acc is None else self.add(acc, part)
             if acc is None:  # no rows: no step (stats filled in below)
                 per_mb.append(None)
@@ -209,7 +216,9 @@ def make_updater(kind: Kind, graphdef: Any, *, tx: optax.GradientTransformation,
     name = "policy" if kind == "policy" else "value"
     first = FIRST_MB_STATS if kind == "policy" else ()
     combine = jax.jit(partial(combine_stats, name=name, first_mb=first))
-    common = dict(kind=kind, cfg=cfg, counts=jax.jit(partial(row_counts, kind=kind)),
+    uses_ref = kind == "policy" and cfg.algo.kl_coef > 0
+    common = dict(kind=kind, cfg=cfg, uses_ref=uses_ref,
+                  counts=jax.jit(partial(row_counts, kind=kind)),
                   denoms=jax.jit(minibatch_denoms), add=jax.jit(add_groups, donate_argnums=0),
                   combine=combine, explained_variance=jax.jit(algo.explained_variance))
     take = partial(take_rows, kind=kind)
@@ -224,7 +233,8 @@ def make_updater(kind: Kind, graphdef: Any, *, tx: optax.GradientTransformation,
     return Updater(
         unit=data_parallel_size(mesh),
         take=jax.jit(take, static_argnames="width", out_shardings=rows),
-        grads=jax.jit(grads, in_shardings=(p, rows, rep), out_shardings=(rep, p)),
+        grads=jax.jit(grads, in_shardings=(p, rows, rep) + ((p,) if uses_ref else ()),
+                      out_shardings=(rep, p)),
         apply=jax.jit(apply, donate_argnums=(0, 1), in_shardings=(p, o, p, rep, rep),
                       out_shardings=(p, o, rep)),
         **common)
