@@ -159,13 +159,13 @@ def test_serve_on_a_busy_port_is_one_line(served) -> None:
 @pytest.mark.parametrize("argv,msg", [
     (["serve", "--port", "70000"], "1..65535"),
     (["serve", "--port", "-1"], "1..65535"),
-    (["serve", "--slots", "0"], "--slots: must be >= 1"),
-    (["serve", "--page-size", "0"], "--page-size: must be >= 1"),
+    (["serve", "--slots", "0"], "--slots: must be an integer in [1, "),
+    (["serve", "--page-size", "0"], "--page-size: must be an integer in [1, "),
     (["serve", "--host", " "], "host must not be empty"),
     (["generate", "--token-ids", "1,a"], "token ids"),
     (["generate", "--port", "0"], "1..65535"),
-    (["generate", "--max-tokens", "0"], "must be >= 1"),
-    (["generate", "--timeout", "nan"], "finite number > 0"),
+    (["generate", "--max-tokens", "0"], "must be an integer in [1, "),
+    (["generate", "--timeout", "nan"], "expected a finite number"),
 ])
 def test_bad_arguments_are_one_line(argv, msg, capsys) -> None:
     _register_optional()  # what main() does first; parsing alone never starts a server

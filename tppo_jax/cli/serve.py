@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tppo_jax.cli.args import int_at_least, positive_float
+
 log = logging.getLogger("tppo.serve")
 DEFAULT_PORT = 9000
 DEFAULT_SLOTS = 8
@@ -36,15 +38,6 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text[:40]!r}") from None
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = _integer(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
-
-
 def _port(allow_any: bool) -> Callable[[str], int]:
     """A port number as ``rollout.server.check_port`` allows it (``allow_any``: 0 too)."""
     def parse(text: str) -> int:
@@ -57,16 +50,6 @@ def _port(allow_any: bool) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(str(e)) from None
         return value
     return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text[:40]!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text[:40]!r}")
-    return value
 
 
 MAX_TOKEN_ID = 2**31 - 1  # DecodeRequest.token_ids are int32
@@ -158,9 +141,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="1..65535, or 0 = any free port (printed on the READY line)")
     p.add_argument("--host", type=_host, default=None,
                    help="bind address (default 127.0.0.1 only)")
-    p.add_argument("--slots", type=_int_at_least(1), default=DEFAULT_SLOTS,
+    p.add_argument("--slots", type=int_at_least(1), default=DEFAULT_SLOTS,
                    help="concurrent decodes")
-    p.add_argument("--page-size", type=_int_at_least(1), default=None)
+    p.add_argument("--page-size", type=int_at_least(1), default=None)
     p.add_argument("--verbose", action="store_true", help="log every JetStream step")
 
 
@@ -235,10 +218,10 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="?", default="", help="prompt text")
     p.add_argument("--port", type=_port(allow_any=False), default=DEFAULT_PORT)
     p.add_argument("--host", type=_host, default="127.0.0.1")
-    p.add_argument("--max-tokens", type=_int_at_least(1), default=64)
+    p.add_argument("--max-tokens", type=int_at_least(1), default=64)
     p.add_argument("--token-ids", type=_token_ids, default=None,
                    help="comma-separated prompt token ids instead of text")
-    p.add_argument("--timeout", type=_positive_float, default=120.0, help="seconds")
+    p.add_argument("--timeout", type=positive_float, default=120.0, help="seconds")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
