@@ -137,6 +137,14 @@ def _prefix(args: argparse.Namespace) -> str:
     return Path(args.config).stem + (f"-{args.tag}" if args.tag else "")
 
 
+def finished(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a run that ended with its held-out eval after training."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("eval_after") is not None
+    except (OSError, ValueError):
+        return False
+
+
 def _train_all(args: argparse.Namespace, jobs: list[tuple[str, list[str]]], runs: Path) -> None:
     """Trains every job (``--jobs`` at a time, one core each); the warm-start first, once."""
     from tppo_jax.config import load_config
@@ -152,6 +160,9 @@ def _train_all(args: argparse.Namespace, jobs: list[tuple[str, list[str]]], runs
         while pending and len(live) < args.jobs:
             name, extra = pending.pop(0)
             run_dir = runs / f"{_prefix(args)}-{name}"
+            if args.reuse and finished(run_dir):
+                print(f"[learning] {name}: reusing the finished run in {run_dir}", flush=True)
+                continue
             if run_dir.exists():
                 shutil.rmtree(run_dir)
             cmd = [sys.executable, "-m", "tppo_jax.cli", "train", "--config", args.config,
@@ -164,6 +175,8 @@ def _train_all(args: argparse.Namespace, jobs: list[tuple[str, list[str]]], runs
             print(f"[learning] {name}: {' '.join(cmd)}", flush=True)
             live.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), name,
                          core))
+        if not live:  # every pending run was reused
+            continue
         proc, name, core = live.pop(0)
         if proc.wait():
             raise SystemExit(f"[learning] {name} failed (exit {proc.returncode}); see "
@@ -262,6 +275,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--avg-gain", type=float, default=15.0, help="target: avg@k gain (points)")
     p.add_argument("--greedy-drop", type=float, default=1.0,
                    help="target: most greedy accuracy lost (points)")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep runs that already finished (more seeds: train only the new ones)")
     p.add_argument("--summarize-only", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("overrides", nargs="*", help="config overrides KEY=VALUE for every run")

@@ -47,3 +47,15 @@ def test_summarize_run_reads_summary_and_metrics(tmp_path):
     assert agg["greedy_lost_by_question"] == {"1": 2, "2": 2}  # the same two in both runs
     assert meets(agg, avg_gain=15.0, greedy_drop=1.0) == {"avg": True, "pass": True,
                                                          "greedy": False}
+
+
+def test_finished_runs_are_recognised(tmp_path):
+    from tppo_jax.benchmarks.learning import finished
+
+    assert not finished(tmp_path / "missing")
+    (tmp_path / "summary.json").write_text(json.dumps({"eval_before": {}, "eval_after": None}))
+    assert not finished(tmp_path)  # preempted: no eval after
+    (tmp_path / "summary.json").write_text("{trunc")
+    assert not finished(tmp_path)
+    (tmp_path / "summary.json").write_text(json.dumps({"eval_after": {"avg@4": 1.0}}))
+    assert finished(tmp_path)
