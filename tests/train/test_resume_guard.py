@@ -18,7 +18,7 @@ from tppo_jax.train.run_dir import resolve_run_dir
 
 
 def start_problem(rd, resume):
-    from tppo_jax.train.setup import start_problem
+    from tppo_jax.train.run_claim import start_problem
 
     return start_problem(rd, resume)
 

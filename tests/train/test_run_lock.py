@@ -108,8 +108,8 @@ def test_a_new_run_refuses_a_dir_with_another_runs_logs(tmp_path, log):
 
 
 def test_a_new_run_in_an_empty_or_fresh_dir_is_not_refused(tmp_path):
+    from tppo_jax.train.run_claim import start_problem
     from tppo_jax.train.run_dir import resolve_run_dir
-    from tppo_jax.train.setup import start_problem
 
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "metrics.jsonl").write_text("")  # an empty file is no run's log
