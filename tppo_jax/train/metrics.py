@@ -15,9 +15,7 @@ import json
 import logging
 import math
 import os
-import threading
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +74,7 @@ class MetricsWriter:
             # max_queue=0: an unbounded queue, so an event writer that died (full disk)
             # never blocks the step that logs next; _tb_alive turns it off first.
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), max_queue=0)
-            _quiet_thread_failures(self.tb)
+            self._tb_writes = [_guard_writes(w) for w in self.tb.all_writers.values()]
 
     def _truncate(self, step: int) -> None:
         """Drops rows past the checkpoint being resumed (a killed run may have logged steps
@@ -108,50 +106,69 @@ class MetricsWriter:
             self.tb.add_text("samples", "\n\n---\n\n".join(_markdown(s) for s in samples), step)
 
     def _tb_alive(self) -> bool:
-        """False (and TensorBoard off, said once) when its event writer thread has died."""
+        """False (and TensorBoard off, said once) once a write in its event thread failed."""
         if self.tb is None:
             return False
-        if all(_worker(w).is_alive() for w in self.tb.all_writers.values()):
+        if self._tb_failure() is None:
             return True
-        log.warning("tensorboard: its event writer stopped (a failed write under %s); "
-                    "TensorBoard events end here, metrics.jsonl goes on", self.path.parent)
-        self.tb = None
+        self._tb_off()
         return False
+
+    def _tb_failure(self) -> OSError | None:
+        return next((g.error for g in self._tb_writes if g.error is not None), None)
+
+    def _tb_off(self) -> None:
+        log.warning("tensorboard: its event writer stopped (%s under %s); "
+                    "TensorBoard events end here, metrics.jsonl goes on",
+                    self._tb_failure().strerror or "a failed write", self.path.parent)
+        tb, self.tb = self.tb, None
+        with contextlib.suppress(OSError):
+            tb.close()
 
     def close(self) -> None:
         tb, self.tb = self.tb, None
         if tb is None:
             return
         try:
-            tb.close()
+            tb.close()  # flushes and joins the event thread: every queued write has been tried
         except OSError as e:  # the final flush on a full disk: the JSONL files are the record
             log.warning("tensorboard: could not flush its events (%s)", e.strerror or e)
-
-
-def _worker(event_file_writer: Any) -> threading.Thread:
-    return event_file_writer.event_writer._worker
-
-
-_TB_WORKERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-_HOOKED: list[bool] = []  # the thread hook below is installed once per process
-
-
-def _quiet_thread_failures(tb: Any) -> None:
-    """A failed write in TensorBoard's writer thread ends the thread; its traceback (tens
-    of lines, on a full disk next to the run's own one-line stop) is dropped here:
-    ``_tb_alive`` says it in one line at the next step. Other threads' errors pass on."""
-    _TB_WORKERS.update(_worker(w) for w in tb.all_writers.values())
-    if _HOOKED:
-        return
-    previous = threading.excepthook
-
-    def hook(args: threading.ExceptHookArgs) -> None:
-        if args.thread in _TB_WORKERS and isinstance(args.exc_value, OSError):
             return
-        previous(args)
+        if self._tb_failure() is not None:
+            self.tb = tb
+            self._tb_off()
 
-    threading.excepthook = hook
-    _HOOKED.append(True)
+
+class _GuardedWrites:
+    """TensorBoard's record writer as its event thread sees it. The first failed write (a
+    full disk) is kept in ``error`` and later events are dropped, so the thread neither dies
+    with a traceback nor blocks a step; ``MetricsWriter`` reads ``error`` and says it once.
+    Methods are looked up on the real writer at each call."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.error: OSError | None = None
+
+    def write_event(self, event: Any) -> None:
+        self._call("write_event", event)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def _call(self, name: str, *args: Any) -> None:
+        if self.error is not None:
+            return
+        try:
+            getattr(self.inner, name)(*args)
+        except OSError as e:
+            self.error = e
+
+
+def _guard_writes(file_writer: Any) -> _GuardedWrites:
+    thread = file_writer.event_writer._worker
+    guard = _GuardedWrites(thread._record_writer)
+    thread._record_writer = guard  # read at every event, so the swap holds from the next one
+    return guard
 
 
 def _markdown(sample: dict[str, Any]) -> str:
