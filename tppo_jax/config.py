@@ -93,10 +93,14 @@ class AlgoConfig:
     window_ignore_tokens: int = 8
     loss_aggregation: Literal["token", "sample"] = "token"
     nll_coef: float = 0.1  # mu, positive-example NLL weight; 0 disables
-    # beta, weight of KL(policy || reference) on the policy mask's tokens (k3 estimator);
-    # the reference is the policy RL started from (warm-start or model.path); 0 disables
-    # (and holds no reference copy)
+    # beta, weight of KL(policy || reference) on the policy mask's tokens; the reference is
+    # the policy RL started from (warm-start or model.path); 0 disables (and holds no
+    # reference copy)
     kl_coef: float = 0.0
+    # "k3": the sampled token's k3 estimate (verl's low_var_kl); "exact": the KL of the two
+    # whole next-token distributions at each trained position (verl's "full"): no sampling
+    # noise, and it holds the ranking of tokens that were not sampled
+    kl_estimator: Literal["k3", "exact"] = "k3"
     critic_warmup_steps: int = 0  # first steps train the critic only (inside the budget)
     # VAPO's value pretraining: critic-only steps on full-length rollouts of the starting
     # policy before step 1, outside train.time_budget_s, cached beside the run dir so runs

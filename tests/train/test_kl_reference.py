@@ -1,4 +1,5 @@
-"""KL to the reference policy (``algo.kl_coef``): the k3 estimator by hand, a penalty whose
+"""KL to the reference policy (``algo.kl_coef``): the k3 estimator by hand, the exact
+estimator against the full-vocabulary KL (and the mean of k3 over sampled tokens), a penalty whose
 gradient is zero where the policy equals its reference (so the first update is unchanged),
 that pulls towards the reference once they differ, and a run whose reference is the policy
 RL started from, untouched by the updates and the same after a resume."""
@@ -35,6 +36,27 @@ def test_k3_hand_computed():
     assert np.isfinite(float(far))
 
 
+def test_exact_kl_is_the_full_vocabulary_kl_chunked_or_not():
+    from tppo_jax.kernels.logprobs import token_kl
+
+    rng = np.random.default_rng(0)
+    h, r = (jnp.asarray(rng.normal(size=(2, 7, 5)), jnp.float32) for _ in range(2))
+    w, wr = (jnp.asarray(rng.normal(size=(5, 11)), jnp.float32) for _ in range(2))
+    for temp in (1.0, 0.7):
+        p = np.asarray(jax.nn.softmax(np.einsum("bth,hv->btv", h, w) / temp, -1), np.float64)
+        q = np.asarray(jax.nn.softmax(np.einsum("bth,hv->btv", r, wr) / temp, -1), np.float64)
+        want = np.sum(p * (np.log(p) - np.log(q)), -1)
+        for chunk in (3, 7, 64):  # a padded last chunk, one chunk, a chunk wider than T
+            got = token_kl(h, w, r, wr, chunk_size=chunk, temperature=temp)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(token_kl(h, w, h, w)))) < 1e-6
+    # k3 on tokens sampled from p is an unbiased estimate of the same number
+    logp, logq = np.log(p[0, 0]), np.log(q[0, 0])
+    draws = rng.choice(11, size=200_000, p=p[0, 0] / p[0, 0].sum())
+    d = logq[draws] - logp[draws]
+    assert np.mean(np.expm1(d) - d) == pytest.approx(float(want[0, 0]), rel=0.03)
+
+
 def _batch(rows: int, width: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
@@ -46,8 +68,9 @@ def _batch(rows: int, width: int, seed: int = 0) -> dict:
             "positive_mask": f(rng.random((rows, width)) < 0.3)}
 
 
-def _update(kl_coef, params, ref, graphdef, batch):
-    cfg = StepConfig(algo=AlgoConfig(kl_coef=kl_coef), optim=OptimConfig(minibatches=1),
+def _update(kl_coef, params, ref, graphdef, batch, estimator="k3"):
+    cfg = StepConfig(algo=AlgoConfig(kl_coef=kl_coef, kl_estimator=estimator),
+                     optim=OptimConfig(minibatches=1),
                      window=8, temperature=1.0)
     tx = optax.sgd(1e-2)
     upd = make_updater("policy", graphdef, tx=tx, cfg=cfg)
@@ -57,12 +80,13 @@ def _update(kl_coef, params, ref, graphdef, batch):
     return jax.device_get(new), jax.device_get(stats)
 
 
-def test_penalty_is_zero_at_the_reference_and_pulls_back_once_moved():
+@pytest.mark.parametrize("estimator", ["k3", "exact"])
+def test_penalty_is_zero_at_the_reference_and_pulls_back_once_moved(estimator):
     graphdef, state = nnx.split(create_model(ModelConfig.tiny(vocab_size=32)))
     base = nnx.to_pure_dict(state)
     batch = _batch(4, 24)
     plain, s0 = _update(0.0, base, None, graphdef, batch)
-    same, s1 = _update(0.5, base, base, graphdef, batch)
+    same, s1 = _update(0.5, base, base, graphdef, batch, estimator)
     assert float(s1["kl_ref"]) == 0.0 and "kl_ref" not in s0
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(same), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)  # zero gradient at pi = ref
@@ -70,8 +94,8 @@ def test_penalty_is_zero_at_the_reference_and_pulls_back_once_moved():
     # step of the KL term alone brings the policy closer to the reference
     still = dict(batch, advantages=jnp.zeros_like(batch["advantages"]),
                  positive_mask=jnp.zeros_like(batch["positive_mask"]))
-    back, s2 = _update(1.0, plain, base, graphdef, still)
-    _, s3 = _update(1.0, back, base, graphdef, still)
+    back, s2 = _update(1.0, plain, base, graphdef, still, estimator)
+    _, s3 = _update(1.0, back, base, graphdef, still, estimator)
     assert 0.0 < float(s3["kl_ref"]) < float(s2["kl_ref"])
     with pytest.raises(ValueError, match="kl_coef"):
         _update(0.5, base, None, graphdef, batch)

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tppo_jax import algo
 from tppo_jax.config import AlgoConfig, OptimConfig
-from tppo_jax.kernels.logprobs import token_logprobs
+from tppo_jax.kernels.logprobs import token_kl, token_logprobs
 from tppo_jax.parallel.mesh import logical_to_spec
 
 
@@ -73,10 +73,32 @@ def shift_right(x: jax.Array) -> jax.Array:
 def policy_token_logprobs(model: nnx.Module, tokens: jax.Array, attn: jax.Array,
                           temperature: float) -> tuple[jax.Array, jax.Array]:
     """``logp[b, t]`` and entropy of token ``t``'s distribution, ``[B, S]`` each, chunked."""
-    hidden = model.hidden_states(tokens, attention_mask=attn)
+    return _token_logprobs(model, model.hidden_states(tokens, attention_mask=attn), tokens,
+                           temperature)
+
+
+def _token_logprobs(model: nnx.Module, hidden: jax.Array, tokens: jax.Array,
+                    temperature: float) -> tuple[jax.Array, jax.Array]:
     lp, ent = token_logprobs(hidden[:, :-1], model.lm_head_weight(), tokens[:, 1:],
                              temperature=temperature, chunk_size=128)
     return shift_right(lp), shift_right(ent)
+
+
+def reference_kl(model: nnx.Module, hidden: jax.Array, logp: jax.Array, ref: nnx.Module,
+                 mb: dict[str, jax.Array], n_tokens: jax.Array, *, estimator: str,
+                 temperature: float) -> jax.Array:
+    """Token-mean ``KL(policy || ref)`` over ``mb["policy_mask"]``; the reference's forward
+    carries no gradient. ``hidden [R, W, H]`` / ``logp [R, W]``: the policy's, reused.
+    ``estimator``: ``k3`` (on the sampled tokens) or ``exact`` (whole distributions)."""
+    ref_hidden = jax.lax.stop_gradient(ref.hidden_states(mb["tokens"], attention_mask=mb["attn"]))
+    if estimator == "k3":
+        ref_logp, _ = _token_logprobs(ref, ref_hidden, mb["tokens"], temperature)
+        return algo.kl_to_reference(logp, jax.lax.stop_gradient(ref_logp), mb["policy_mask"],
+                                    n_tokens=n_tokens)
+    kl = token_kl(hidden[:, :-1], model.lm_head_weight(), ref_hidden[:, :-1],
+                  jax.lax.stop_gradient(ref.lm_head_weight()), temperature=temperature,
+                  chunk_size=128)
+    return algo.aggregate(shift_right(kl), mb["policy_mask"], mode="token", denom=n_tokens)
 
 
 def critic_token_values(model: nnx.Module, tokens: jax.Array, attn: jax.Array) -> jax.Array:
@@ -167,7 +189,8 @@ def policy_group_loss(graphdef: Any, params: Any, mb: dict[str, jax.Array],
     """
     a = cfg.algo
     model = nnx.merge(graphdef, params)
-    logp, ent = policy_token_logprobs(model, mb["tokens"], mb["attn"], cfg.temperature)
+    hidden = model.hidden_states(mb["tokens"], attention_mask=mb["attn"])
+    logp, ent = _token_logprobs(model, hidden, mb["tokens"], cfg.temperature)
     pl, stats = algo.policy_loss(logp, mb["sample_logprobs"], mb["advantages"],
                                  mb["policy_mask"], eps_low=a.eps_low, eps_high=a.eps_high,
                                  dual_clip_c=a.dual_clip_c, aggregation=a.loss_aggregation,
@@ -176,10 +199,10 @@ def policy_group_loss(graphdef: Any, params: Any, mb: dict[str, jax.Array],
     stats = dict(stats, pg_loss=pl, nll_loss=nll,
                  entropy=algo.aggregate(ent, mb["policy_mask"], denom=denoms["tokens"]))
     loss = pl + a.nll_coef * nll
-    if ref is not None:  # the reference's forward carries no gradient
-        ref_logp, _ = policy_token_logprobs(nnx.merge(graphdef, jax.lax.stop_gradient(ref)),
-                                            mb["tokens"], mb["attn"], cfg.temperature)
-        kl = algo.kl_to_reference(logp, ref_logp, mb["policy_mask"], n_tokens=denoms["tokens"])
+    if ref is not None:
+        kl = reference_kl(model, hidden, logp, nnx.merge(graphdef, jax.lax.stop_gradient(ref)),
+                          mb, denoms["tokens"], estimator=a.kl_estimator,
+                          temperature=cfg.temperature)
         stats["kl_ref"] = kl
         loss = loss + a.kl_coef * kl
     return loss, stats
