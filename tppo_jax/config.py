@@ -147,10 +147,17 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "synthetic"  # "synthetic" or a .jsonl/.parquet path
+    # "synthetic", a .jsonl/.parquet file, a dataset folder, or a Hub dataset id owner/name
+    # (data/sources.py: a local path that exists wins over an id).
+    source: str = "synthetic"
     format: Literal["dapo", "gsm8k", "math", "mathqa", "svamp", "asdiv", "generic"] = "generic"
     fields: dict[str, str] = field(default_factory=dict)
     on_bad_row: Literal["error", "skip"] = "error"
+    # Hub ids and dataset folders (data/hub.py): the config (subset) name, the split
+    # ("train[:1000]" slices work for Hub ids) and the revision (branch, tag or commit).
+    hf_config: str | None = None
+    split: str = "train"
+    hf_revision: str | None = None
     difficulty: float = 1.0  # synthetic task: mean extra steps per problem (long tail)
     max_operand: int = 9  # synthetic task: largest number added or subtracted
     max_value: int = 20  # synthetic task: running values stay in [0, max_value]

@@ -9,6 +9,7 @@ fields and their type hints.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -144,6 +145,7 @@ RANGES: dict[str, Range] = {
 FREE_TEXT = frozenset({
     "model.path", "model.value_path", "data.source", "data.fields", "data.prompt_template",
     "data.system_prompt", "checkpoint.dir", "train.compile_cache",
+    "data.hf_config", "data.split", "data.hf_revision",  # the names' shape: _check_hub_names
 })
 
 
@@ -221,6 +223,7 @@ def _check_data_and_model(cfg: Config) -> None:
         raise ConfigError(f"model.path is required when model.source is {cfg.model.source!r}")
     if cfg.data.fields:
         _check_fields(cfg.data.format, cfg.data.fields)
+    _check_hub_names(cfg.data.hf_config, cfg.data.split, cfg.data.hf_revision)
     pt = cfg.data.prompt_template
     if pt is not None and "{question}" not in pt:
         raise ConfigError(f"data.prompt_template must contain {{question}}, got {quote(pt)}")
@@ -246,6 +249,24 @@ def _check_fields(fmt: str, fields: dict[str, str]) -> None:
     if unknown:
         raise ConfigError(f"data.fields: unknown key {quote(unknown[0])} for data.format "
                           f"{fmt!r}; allowed: {', '.join(allowed)}")
+
+
+# A split as datasets names it: "train", "test[:100]", "train[10%:]+validation".
+_SPLIT_PART = r"[A-Za-z0-9_.-]+(\[[^\[\]]*\])?"
+_SPLIT = re.compile(rf"{_SPLIT_PART}(\+{_SPLIT_PART})*")
+
+
+def _check_hub_names(hf_config: str | None, split: str, revision: str | None) -> None:
+    """``data.hf_config``, ``data.split`` and ``data.hf_revision`` have a name's shape, so a
+    typo (an empty value, a stray space) stops here rather than as a Hub error mid-setup."""
+    if not _SPLIT.fullmatch(split):
+        raise ConfigError(f"data.split must name a split such as train, test or train[:1000], "
+                          f"got {quote(split)}")
+    for key, value in (("data.hf_config", hf_config), ("data.hf_revision", revision)):
+        if value is not None and (not value.strip() or value != value.strip()
+                                  or "\n" in value):
+            raise ConfigError(f"{key} must be null or a name without surrounding spaces, got "
+                              f"{quote(value)}")
 
 
 def _check_layout(cfg: Config, num_devices: int | None, num_processes: int) -> None:

@@ -50,7 +50,9 @@ DEFAULT_FIELDS: dict[str, dict[str, str | None]] = {
     "dapo": {"question": "prompt", "answer": "reward_model.ground_truth", "solution": None,
              "id": None},
     "gsm8k": {"question": "question", "answer": "answer", "solution": None, "id": None},
-    "math": {"question": "problem", "answer": "answer", "solution": "solution", "id": None},
+    # MATH-500's rows carry `unique_id` ("test/algebra/1.json"); rows without one are numbered.
+    "math": {"question": "problem", "answer": "answer", "solution": "solution",
+             "id": "unique_id"},
     "generic": {"question": "question", "answer": "answer", "solution": "solution", "id": "id"},
     # Parsed by the functions at the end of this module. MathQA's "answer" is the correct
     # option's letter.

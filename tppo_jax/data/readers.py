@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -29,8 +29,9 @@ from tppo_jax.data.formats import (  # re-exported: the row types callers import
     parse_row,
 )
 
-__all__ = ["DEFAULT_FIELDS", "BadRowReport", "DataError", "Format", "MathExample", "get_path",
-           "last_boxed", "parse_row", "read_examples"]
+__all__ = ["DEFAULT_FIELDS", "BadRowReport", "DataError", "Format", "MathExample",
+           "collect_examples", "get_path", "iter_arrow_rows", "last_boxed", "merged_fields",
+           "parse_row", "read_examples"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,14 +85,24 @@ def _iter_parquet(path: Path) -> Iterator[tuple[str, Any, str | None]]:
         pf = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - any pyarrow failure means unreadable file
         raise DataError(f"{path}: cannot read parquet file: {e}") from e
+    return iter_arrow_rows(pf.iter_batches(batch_size=1024), str(path))
+
+
+def iter_arrow_rows(batches: Iterable[Any], label: str) -> Iterator[tuple[str, Any, str | None]]:
+    """Yield ``(f"{label}:row {i}", row, error)`` from Arrow record batches or tables.
+
+    Shared by Parquet files and ``datasets`` tables (:mod:`tppo_jax.data.hub`): a batch is
+    converted to Python at once, and only a batch that will not convert (e.g. a timestamp past
+    year 9999) row by row, so the one bad row is found and the rest are kept.
+    """
     idx = 0
-    for batch in pf.iter_batches(batch_size=1024):
+    for batch in batches:
         try:
             rows = batch.to_pylist()
-        except (ValueError, OverflowError):  # e.g. a timestamp past year 9999: find the row
+        except (ValueError, OverflowError):
             rows = None
         for j in range(batch.num_rows):
-            loc = f"{path}:row {idx}"
+            loc = f"{label}:row {idx}"
             idx += 1
             if rows is not None:
                 yield loc, rows[j], None
@@ -127,10 +138,7 @@ def read_examples(
     Returns:
       ``(examples, report)``.
     """
-    if format not in DEFAULT_FIELDS:
-        raise ValueError(f"unknown format {format!r}; expected one of {sorted(DEFAULT_FIELDS)}")
-    if on_bad_row not in ("error", "skip"):
-        raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+    merged = merged_fields(format, fields, on_bad_row)
     p = Path(path)
     if not p.exists():
         raise DataError(f"{p}: no such file")
@@ -139,12 +147,6 @@ def read_examples(
                         f"file)")
     if not os.access(p, os.R_OK):
         raise DataError(f"{p}: not readable (permission denied)")
-    merged = dict(DEFAULT_FIELDS[format])
-    if fields:
-        unknown = set(fields) - set(merged)
-        if unknown:
-            raise ValueError(f"unknown field keys {sorted(unknown)}; allowed {sorted(merged)}")
-        merged.update(fields)
     src = source if source is not None else p.name
     suffix = p.suffix.lower()
     if suffix == ".parquet":
@@ -153,14 +155,45 @@ def read_examples(
         rows = _iter_jsonl(p)
     else:
         raise DataError(f"{p}: unsupported file type {suffix!r} (use .jsonl or .parquet)")
+    return collect_examples(rows, format, merged, src=src, label=str(p), on_bad_row=on_bad_row,
+                            limit=limit)
 
-    report = BadRowReport(path=str(p))
+
+def merged_fields(format: Format, fields: Mapping[str, str | None] | None,  # noqa: A002
+                  on_bad_row: OnBadRow) -> dict[str, str | None]:
+    """The format's default field paths with ``fields`` on top; checks the format, the
+    overrides' keys and the bad-row policy before any row is read."""
+    if format not in DEFAULT_FIELDS:
+        raise ValueError(f"unknown format {format!r}; expected one of {sorted(DEFAULT_FIELDS)}")
+    if on_bad_row not in ("error", "skip"):
+        raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+    merged = dict(DEFAULT_FIELDS[format])
+    if fields:
+        unknown = set(fields) - set(merged)
+        if unknown:
+            raise ValueError(f"unknown field keys {sorted(unknown)}; allowed {sorted(merged)}")
+        merged.update(fields)
+    return merged
+
+
+def collect_examples(
+    rows: Iterable[tuple[str, Any, str | None]], format: Format,  # noqa: A002
+    fields: Mapping[str, str | None], *, src: str, label: str, on_bad_row: OnBadRow,
+    limit: int | None = None,
+) -> tuple[list[MathExample], BadRowReport]:
+    """Parse ``(location, row, error)`` triples under the bad-row policy.
+
+    The one place the policy lives, so a file and a Hub dataset fail (or skip) alike: the
+    first bad row raises :class:`DataError` at its location, or (``"skip"``) is logged and
+    listed in the report.
+    """
+    report = BadRowReport(path=label)
     out: list[MathExample] = []
     for n, (loc, row, err) in enumerate(rows):
         report.total_rows += 1
         if err is None:
             try:
-                out.append(parse_row(row, format, merged, row_id=f"{src}-{n}", source=src))
+                out.append(parse_row(row, format, fields, row_id=f"{src}-{n}", source=src))
             except KeyError as e:
                 err = str(e.args[0]) if e.args else "missing field"
             except ValueError as e:

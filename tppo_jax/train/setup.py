@@ -23,7 +23,8 @@ from flax import nnx
 from tppo_jax.config import Config, ConfigError, validate
 from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.data.prompts import prompt_builder
-from tppo_jax.data.readers import MathExample, read_examples
+from tppo_jax.data.readers import MathExample
+from tppo_jax.data.sources import read_source
 from tppo_jax.eval.heldout import evaluate
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import param_shardings, shard_model
@@ -374,8 +375,9 @@ def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample]]:
     if d.source == "synthetic":
         task = synthetic_task(cfg)
         return task.sample(20000, "train"), task.sample(d.eval_size, "test")
-    rows, report = read_examples(d.source, format=d.format, fields=d.fields or None,
-                                 on_bad_row=d.on_bad_row)
+    rows, report = read_source(d.source, format=d.format, fields=d.fields or None,
+                               on_bad_row=d.on_bad_row, split=d.split, hf_config=d.hf_config,
+                               hf_revision=d.hf_revision)
     if report.num_bad:
         log.warning("data: skipped %d bad rows of %s", report.num_bad, d.source)
     if len(rows) <= d.eval_size:

@@ -41,7 +41,7 @@ from tppo_jax.train.batch import critic_update, init_value_bias, update_batch
 from tppo_jax.train.collect import collect
 from tppo_jax.train.setup import Run, make_scheduler
 from tppo_jax.train.state import TrainState
-from tppo_jax.train.warmstart import warmstart_key
+from tppo_jax.train.warmstart import keyed_data, warmstart_key
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def pretrain_key(cfg: Config) -> str:
     policy's optimizer share it."""
     d = cfg.to_dict()
     rollout = dict(d["rollout"], window=cfg.rollout.max_response_len, kv_policy="keep")
-    data = {k: v for k, v in d["data"].items() if k != "eval_size"}
+    data = {k: v for k, v in keyed_data(cfg).items() if k != "eval_size"}
     start = warmstart_key(cfg) if cfg.model.source == "tiny" else cfg.model.path
     blob = json.dumps({"start": start, "model": d["model"], "data": data, "reward": d["reward"],
                        "rollout": rollout, "algo": {k: d["algo"][k] for k in _ALGO_KEYS},

@@ -18,6 +18,7 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +64,21 @@ def accepted_keys(cfg: Config) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
+# Where a Hub or folder table comes from (data/sources.py). At their defaults, and always for
+# the synthetic task (which ignores them), they stay out of cache keys: the keys of configs
+# that predate them stay valid.
+SOURCE_KEYS = ("hf_config", "split", "hf_revision")
+
+
+def keyed_data(cfg: Config) -> dict[str, Any]:
+    """``cfg.data`` as cache keys hash it (``SOURCE_KEYS`` dropped where they change
+    nothing)."""
+    defaults = DataConfig()
+    synthetic = cfg.data.source == "synthetic"
+    return {k: v for k, v in asdict(cfg.data).items()
+            if not (k in SOURCE_KEYS and (synthetic or v == getattr(defaults, k)))}
+
+
 def _key(cfg: Config, on_bad_row: str) -> str:
     t = cfg.train
     # The batching joins the key only when it is not the original "random", so the caches
@@ -70,7 +86,7 @@ def _key(cfg: Config, on_bad_row: str) -> str:
     batching = [] if t.warmstart_batching == "random" else [t.warmstart_batching]
     # The held-out set's size does not change the teacher corpus (the synthetic task's train
     # split), so a bigger eval does not retrain the warm-start.
-    data = {k: v for k, v in asdict(cfg.data).items()
+    data = {k: v for k, v in keyed_data(cfg).items()
             if not (k == "eval_size" and cfg.data.source == "synthetic")}
     data["on_bad_row"] = on_bad_row
     blob = json.dumps({"model": asdict(cfg.model), "data": data,
