@@ -220,6 +220,12 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     tensorboard: bool = True
+    # Weights & Biases beside TensorBoard (process 0; wandb is imported only when true). null
+    # project / name / entity: WANDB_PROJECT / WANDB_NAME / WANDB_ENTITY, else wandb's own
+    wandb: bool = False
+    wandb_project: str | None = None
+    wandb_name: str | None = None
+    wandb_entity: str | None = None
     progress: bool = True  # progress bars (also off with `tppo train --no-progress`)
     samples_per_step: int = 4  # completions per step to samples.jsonl / TensorBoard text
 

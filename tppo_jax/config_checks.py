@@ -146,6 +146,7 @@ FREE_TEXT = frozenset({
     "model.path", "model.value_path", "data.source", "data.fields", "data.prompt_template",
     "data.system_prompt", "checkpoint.dir", "train.compile_cache",
     "data.hf_config", "data.split", "data.hf_revision",  # the names' shape: _check_hub_names
+    "logging.wandb_project", "logging.wandb_name", "logging.wandb_entity",  # wandb's to judge
 })
 
 

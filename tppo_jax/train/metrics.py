@@ -1,12 +1,12 @@
-"""Per-step metrics: JSONL (always), TensorBoard events (optional). Process 0 writes.
+"""Per-step metrics: JSONL (always), TensorBoard events and W&B (optional). Process 0 writes.
 
-Also a few sampled completions per step (``samples.jsonl``, and TensorBoard text), so a run
-shows what the model writes, not only how it scores.
+Also a few sampled completions per step (``samples.jsonl``, TensorBoard text, a W&B table), so
+a run shows what the model writes, not only how it scores.
 
 A row is appended whole or not at all (``append_whole``): on a full disk the file keeps its
 earlier rows and parses; the failure is an ``OSError`` naming the file. TensorBoard events
 are a mirror: a write that fails there turns TensorBoard off with one warning, never
-blocking or stopping the run."""
+blocking or stopping the run; W&B likewise (``train/wandb_log.py``)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,14 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from tppo_jax.train.run_dir import write_atomic
+
+if TYPE_CHECKING:
+    from tppo_jax.train.wandb_log import WandbSettings
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +58,11 @@ def append_whole(path: Path, text: str) -> None:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per step to ``metrics.jsonl`` and mirrors scalars to
+    TensorBoard and (``wandb`` settings given) Weights & Biases."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = True,
-                 resume_step: int | None = None) -> None:
+                 resume_step: int | None = None, wandb: WandbSettings | None = None) -> None:
         self.enabled = jax.process_index() == 0
         self.path = Path(run_dir) / "metrics.jsonl"
         self.samples_path = Path(run_dir) / "samples.jsonl"
@@ -75,6 +79,11 @@ class MetricsWriter:
             # never blocks the step that logs next; _tb_alive turns it off first.
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), max_queue=0)
             self._tb_writes = [_guard_writes(w) for w in self.tb.all_writers.values()]
+        self.wandb = None
+        if self.enabled and wandb is not None:
+            from tppo_jax.train.wandb_log import WandbLogger
+
+            self.wandb = WandbLogger(Path(run_dir), wandb)
 
     def _truncate(self, step: int) -> None:
         """Drops rows past the checkpoint being resumed (a killed run may have logged steps
@@ -90,20 +99,25 @@ class MetricsWriter:
         row.update({k: _clean(v) for k, v in metrics.items()})
         if self.enabled:
             append_whole(self.path, json.dumps(row) + "\n")
+            scalars = {k: v for k, v in row.items() if isinstance(v, float | int) and k != "step"}
             if self._tb_alive():
-                for k, v in row.items():
-                    if isinstance(v, float | int) and k != "step":
-                        self.tb.add_scalar(k, v, step)
+                for k, v in scalars.items():
+                    self.tb.add_scalar(k, v, step)
+            if self.wandb is not None:
+                self.wandb.log(step, scalars)
         return row
 
     def write_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
-        """One JSON line per sample (``step`` added); TensorBoard gets them as markdown text."""
+        """One JSON line per sample (``step`` added); TensorBoard gets them as markdown text,
+        W&B as a table."""
         if not (self.enabled and samples):
             return
         append_whole(self.samples_path,
                      "".join(json.dumps({"step": step, **s}) + "\n" for s in samples))
         if self._tb_alive():
             self.tb.add_text("samples", "\n\n---\n\n".join(_markdown(s) for s in samples), step)
+        if self.wandb is not None:
+            self.wandb.log_samples(step, samples)
 
     def _tb_alive(self) -> bool:
         """False (and TensorBoard off, said once) once a write in its event thread failed."""
@@ -126,6 +140,8 @@ class MetricsWriter:
             tb.close()
 
     def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.close()
         tb, self.tb = self.tb, None
         if tb is None:
             return

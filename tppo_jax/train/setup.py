@@ -48,6 +48,7 @@ from tppo_jax.train.state import TrainState, commit_to_mesh
 from tppo_jax.train.step import StepConfig, make_optimizer
 from tppo_jax.train.targets import Targets, make_targets
 from tppo_jax.train.update import Updater, make_updater
+from tppo_jax.train.wandb_log import wandb_settings
 from tppo_jax.train.warmstart import RUN_SUBDIR, run_warmstart, synthetic_task
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,7 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
     stack.callback(run.grader.close)
     # Rows past the restored step are dropped (logged again); nothing restored: none are.
     run.metrics = MetricsWriter(rd.local, tensorboard=cfg.logging.tensorboard,
-                                resume_step=run.start or None)
+                                resume_step=run.start or None, wandb=wandb_settings(cfg))
     stack.callback(run.metrics.close)
     return run, state
 
