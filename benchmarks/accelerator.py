@@ -2,7 +2,7 @@
 
 A random Qwen2-shaped model (``--arch qwen2-0.5b``: Qwen2.5-0.5B sizes, bf16) at batch 256:
 - decode: one training window of ``--new-tokens`` greedy tokens through the rollout engine
-  (``TPPOEngine``'s window: the decode core's ``lax.while_loop`` over a dense KV cache), the
+  (``DecodeEngine``'s window: the decode core's ``lax.while_loop`` over a dense KV cache), the
   decode state donated; the engine's batched prefill timed apart.
   Roofline = bytes a step must read (all weights + the live KV cache) / peak HBM bandwidth;
 - train: one optimizer step of the policy and of the value update (forward + backward + AdamW) on
@@ -29,6 +29,10 @@ import platform
 import time
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tppo_jax.rollout.engine import DecodeEngine
 
 # device_kind substring -> (peak bf16 dense FLOP/s, peak HBM bytes/s)
 PEAKS = {
@@ -64,20 +68,17 @@ def _nbytes(tree) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def decoding_engine(model, b: int, s: int):
+def decoding_engine(model: Any, b: int, s: int) -> DecodeEngine:
     """The rollout engine the scheduler decodes with: ``b`` slots of ``s`` positions, dense
     cache, greedy, no EOS (every row generates the whole window)."""
-    import types
-
     from tppo_jax.rollout.decode import SamplingParams
-    from tppo_jax.rollout.engine import TPPOEngine
+    from tppo_jax.rollout.engine import DecodeEngine
 
-    return TPPOEngine(model, types.SimpleNamespace(eos_ids=()), max_slots=b,
-                      max_target_length=s, kv_cache="dense", max_prefill_length=16,
-                      sampling=SamplingParams(greedy=True))
+    return DecodeEngine(model, eos_ids=(), max_slots=b, max_target_length=s, kv_cache="dense",
+                        sampling=SamplingParams(greedy=True))
 
 
-def window_decode(engine, window: int, *, donate: bool):
+def window_decode(engine: DecodeEngine, window: int, *, donate: bool) -> Any:
     """The engine's jitted training window ``f(decode_state, params, budget, first)`` (what
     ``generate_window`` runs); ``donate`` donates the decode state (cache included)."""
     import jax
@@ -100,15 +101,11 @@ def decode_section(model, cfg, args) -> dict:
     s = p + new + 1
     eng = decoding_engine(model, b, s)
     params = eng.load_params(model)
-    toks = jnp.asarray(np.random.default_rng(0).integers(4, cfg.vocab_size, (b, s)), jnp.int32)
-    lens = jnp.full((b,), p, jnp.int32)
-    on = jnp.ones(b, bool)
+    toks = np.random.default_rng(0).integers(4, cfg.vocab_size, (b, s)).astype(np.int32)
+    lens = np.full((b,), p, np.int32)
 
-    def fresh():
-        ds = eng.sync(eng.init_decode_state(), next_token=toks[:, p - 1], position=lens - 1,
-                      generated=jnp.zeros(b, jnp.int32), seq_id=jnp.arange(b, dtype=jnp.uint32),
-                      live=jnp.ones(b, bool))  # its own buffer: the state is donated
-        return jax.block_until_ready(eng.prefill_slots(params, ds, toks, lens, on)[0])
+    def fresh() -> Any:  # a new state each time: the timed call donates it
+        return jax.block_until_ready(eng.prefill_prompts(params, toks, lens)[0])
 
     rest = (params, jnp.full((b,), new, jnp.int32), jnp.zeros(b, bool))
     ds = fresh()

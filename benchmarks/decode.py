@@ -6,12 +6,13 @@ Run ``tppo bench decode`` (or ``python -m tppo_jax.benchmarks.decode``). Writes
 
 Throughput: the tiny model, random prompts of 16 tokens, ``--new-tokens`` (128) sampled at
 temperature 1 with no EOS, so every row generates the same count. The paged and dense rows
-time exactly what the training scheduler runs per window: ``TPPOEngine.generate_window``
-(the decode core's jitted loop) after the engine's batched prefill into slots, which is not
-timed. The jit is warmed up first (compile excluded); best of ``--repeats``. The no-cache row
-recomputes the whole buffer per token. Where torch + transformers are importable, the same
-weights (``save_pretrained``) run ``generate(do_sample=False)`` with the static and the
-dynamic cache on the CPU (skipped otherwise).
+time exactly what the training scheduler runs per window: ``DecodeEngine.generate_window``
+(the decode core's jitted loop) after the engine's batched prefill into slots
+(``prefill_prompts``), which is not timed. The jit is warmed up first (compile excluded);
+best of ``--repeats``. The no-cache row recomputes the whole buffer per token. Where torch +
+transformers are importable, the same weights (``save_pretrained``) run
+``generate(do_sample=False)`` with the static and the dynamic cache on the CPU (skipped
+otherwise).
 
 Occupancy: a simulation with the scheduler's arithmetic (each window decodes until every
 slot is done or ``l`` steps; finished slots refill at window boundaries) on response lengths
@@ -27,7 +28,6 @@ import platform
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from flax import nnx
 
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.rollout.decode import SamplingParams, sequence_keys
-from tppo_jax.rollout.engine import TPPOEngine
+from tppo_jax.rollout.engine import DecodeEngine
 from tppo_jax.rollout.sampling import sample
 
 PROMPT = 16
@@ -57,23 +57,18 @@ def _best(fn, repeats: int) -> float:
 def bench_engine(model, prompts: np.ndarray, new: int, repeats: int, kind: str
                  ) -> tuple[float, int]:
     """Tokens/s of one training window of ``new`` tokens per slot through the engine (the
-    scheduler's ``prefill_slots`` + ``generate_window``); also the KV pages it held."""
+    scheduler's batched prefill + ``generate_window``); also the KV pages it held."""
     b = prompts.shape[0]
     s = PROMPT + new
-    eng = TPPOEngine(model, types.SimpleNamespace(eos_ids=()), max_slots=b, max_target_length=s,
-                     kv_cache=kind, page_size=16, max_prefill_length=16,
-                     sampling=SamplingParams())
+    eng = DecodeEngine(model, eos_ids=(), max_slots=b, max_target_length=s, kv_cache=kind,
+                       page_size=16, sampling=SamplingParams())
     params = eng.load_params(model)
     tokens = np.zeros((b, s), np.int32)
     tokens[:, :PROMPT] = prompts
-    lens = jnp.full(b, PROMPT, jnp.int32)
+    lens = np.full(b, PROMPT, np.int32)
 
-    def fresh():
-        ds = eng.sync(eng.init_decode_state(), next_token=jnp.asarray(prompts[:, -1]),
-                      position=lens - 1, generated=jnp.zeros(b, jnp.int32),
-                      seq_id=jnp.arange(b, dtype=jnp.uint32), live=jnp.ones(b, bool))
-        ds, _ = eng.prefill_slots(params, ds, jnp.asarray(tokens), lens, jnp.ones(b, bool))
-        return jax.block_until_ready(ds)
+    def fresh() -> Any:
+        return jax.block_until_ready(eng.prefill_prompts(params, tokens, lens)[0])
 
     pages = 0
     times = []
@@ -180,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
               "env": {"backend": jax.default_backend(), "devices": len(jax.devices()),
                       "jax": jax.__version__, "machine": platform.machine(),
                       "note": "tiny model (~0.8M params); paged/dense = the scheduler's window "
-                              "through TPPOEngine; compile excluded; best of repeats"}}
+                              "through DecodeEngine; compile excluded; best of repeats"}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -41,7 +41,7 @@ def same_size_random(start: dict, moved: dict, key: jax.Array) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from tppo_jax.cli.runs import load_run_policy
-    from tppo_jax.eval.heldout import evaluate
+    from tppo_jax.eval.heldout import EvalEngines, evaluate
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.train.setup import load_models, make_grader, prompt_rows
 
@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> dict:
     _, rows, encode = prompt_rows(cfg, tok)
     grader = make_grader(cfg)
     r = cfg.rollout
-    kw = dict(max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len)
+    kw = dict(max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len,
+              engines=EvalEngines())  # every scored point reuses the compiled engines
     sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
 
     def score(params: dict) -> dict:

@@ -23,7 +23,8 @@ from tppo_jax.data.readers import MathExample
 from tppo_jax.eval.heldout import generate_answers
 from tppo_jax.models.hf import from_pretrained
 from tppo_jax.rollout.decode import SamplingParams
-from tppo_jax.rollout.engine import TPPOEngine
+from tppo_jax.rollout.engine import DecodeEngine
+from tppo_jax.rollout.jetstream_engine import JetStreamEngine
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures" / "hf"
@@ -83,9 +84,9 @@ def test_jetstream_api_matches_transformers(case):
     finish (what JetStream's orchestrator does for ``tppo serve``)."""
     model, ref = case
     new, eos = ref["max_new_tokens"], ref["eos"]
-    eng = TPPOEngine(model, types.SimpleNamespace(eos_ids=(eos,)), max_slots=3,
-                     max_target_length=128, page_size=16, max_prefill_length=128,
-                     sampling=GREEDY)
+    core = DecodeEngine(model, eos_ids=(eos,), max_slots=3, max_target_length=128,
+                        page_size=16, sampling=GREEDY)
+    eng = JetStreamEngine(core, types.SimpleNamespace(eos_ids=(eos,)), max_prefill_length=128)
     params = eng.load_params()
     ds = eng.init_decode_state()
     queue = list(enumerate(r["prompt"] for r in ref["rows"]))

@@ -1,4 +1,5 @@
-"""TPPOEngine: JetStream API over the paged cache, the RL window fast path, pool accounting."""
+"""DecodeEngine over the paged cache (the RL window fast path, prompt sharing, pool accounting)
+and JetStream's API over it (``JetStreamEngine``: prefill / insert / generate)."""
 
 import types
 
@@ -15,7 +16,8 @@ from jetstream.engine import token_utils
 
 from tppo_jax.models.transformer import ModelConfig, Transformer
 from tppo_jax.rollout.decode import SamplingParams
-from tppo_jax.rollout.engine import PoolExhaustedError, TPPOEngine, TPPOResultTokens
+from tppo_jax.rollout.engine import DecodeEngine, PoolExhaustedError
+from tppo_jax.rollout.jetstream_engine import JetStreamEngine, TPPOResultTokens
 
 V, MAXLEN = 64, 32
 PROMPTS = [[7, 3, 9, 12, 5], [4, 4, 8, 30, 2, 19, 33, 6, 10, 11, 40]]
@@ -64,34 +66,45 @@ def _expected(reference, eos):
 
 
 def _prefix(eng, params, prompt):
+    """A JetStream-style prefill: the prompt padded to its bucket (as the orchestrator does)."""
     padded, n = token_utils.pad_tokens(np.asarray(prompt), 2, 0, is_bos=False,
-                                       max_prefill_length=eng.max_prefill_length)
-    return eng.prefill(params=params, padded_tokens=padded, true_length=n)
+                                       max_prefill_length=16)
+    return eng.prefill(params, padded, n)
 
 
 @pytest.fixture(scope="module")
 def engine(model, eos):
-    return TPPOEngine(model, TOK, max_slots=4, page_size=4, max_target_length=MAXLEN,
-                      max_prefill_length=16, sampling=SamplingParams(greedy=True), eos_ids=(eos,))
+    return DecodeEngine(model, eos_ids=(eos,), max_slots=4, page_size=4,
+                        max_target_length=MAXLEN, sampling=SamplingParams(greedy=True))
 
 
-def test_abstract_api_is_implemented(engine):
-    assert not TPPOEngine.__abstractmethods__
-    assert engine.max_concurrent_decodes == 4 and engine.samples_per_slot == 1
-    assert engine.colocated_cpus is None and engine.pages_total == 4 * 8
-    assert engine.build_tokenizer(engine.get_tokenizer()).stop_tokens == set(engine.eos_ids)
+@pytest.fixture(scope="module")
+def served(engine):
+    """JetStream's API over the same engine (what ``tppo serve`` drives)."""
+    return JetStreamEngine(engine, TOK, max_prefill_length=16)
 
 
-def test_generate_matches_full_forward(engine, reference, eos):
-    params = engine.load_params()
+def test_abstract_api_is_implemented(engine, served):
+    assert not JetStreamEngine.__abstractmethods__
+    assert served.max_concurrent_decodes == 4 and served.samples_per_slot == 1
+    assert served.colocated_cpus is None and engine.pages_total == 4 * 8
+    assert served.build_tokenizer(served.get_tokenizer()).stop_tokens == set(engine.eos_ids)
+    assert served.mesh is engine.mesh and served.max_prefill_length == 16
+
+
+def test_generate_matches_full_forward(engine, served, reference, eos):
+    params = served.load_params()
     version = engine.version
-    ds = engine.init_decode_state()
+    ds = served.init_decode_state()
     for slot, p in zip([1, 3], PROMPTS, strict=True):  # arbitrary slots
-        ds = engine.insert(_prefix(engine, params, p), ds, slot)
+        padded, n = token_utils.pad_tokens(np.asarray(p), 2, 0, is_bos=False,
+                                           max_prefill_length=served.max_prefill_length)
+        prefix = served.prefill(params=params, padded_tokens=padded, true_length=n)
+        ds = served.insert(prefix, ds, slot)
     assert engine.pages_in_use(ds) == 1 + 3  # 4 and 10 cached tokens, 4 per page
     got = {1: ([], [], []), 3: ([], [], [])}
     for _ in range(MAXLEN):
-        ds, res = engine.generate(params, ds)
+        ds, res = served.generate(params, ds)
         res = res.convert_to_numpy()
         assert isinstance(res, TPPOResultTokens)
         lp, ver = res.logprobs(), res.versions()
@@ -150,9 +163,9 @@ def test_insert_group_shares_prompt_pages(engine, reference, eos):
 
 
 def test_pool_exhaustion_refuses_insert(model, reference):
-    eng = TPPOEngine(model, TOK, max_slots=2, page_size=4, max_target_length=MAXLEN,
-                     num_pages=4, max_prefill_length=16, sampling=SamplingParams(greedy=True),
-                     eos_ids=(V + 5,))  # never emitted
+    eng = DecodeEngine(model, eos_ids=(V + 5,), max_slots=2, page_size=4,  # never emitted
+                       max_target_length=MAXLEN, num_pages=4,
+                       sampling=SamplingParams(greedy=True))
     params = eng.load_params()
     ds = eng.init_decode_state()
     prefix = _prefix(eng, params, PROMPTS[1])
@@ -165,11 +178,19 @@ def test_pool_exhaustion_refuses_insert(model, reference):
     ds, ok = eng.try_insert(prefix, ds, 1)
     assert not ok and not bool(ds.live[1])
     np.testing.assert_array_equal(np.asarray(ds.cache.pages.page_table), table_before)
+    # JetStream's insert: strict by default; the server's lenient one drops the request.
+    served = JetStreamEngine(eng, TOK, max_prefill_length=16)
+    with pytest.raises(PoolExhaustedError, match="pool exhausted") as err:
+        served.insert(prefix, ds, 1)
+    served.strict_insert = False
+    ds = served.insert(prefix, err.value.decode_state, 1)
+    assert not bool(ds.live[1])
+    np.testing.assert_array_equal(np.asarray(ds.cache.pages.page_table), table_before)
     # The live slot keeps decoding correctly; when it needs a 5th page it ends instead of
     # overwriting anything, and its pages return to the pool.
     toks = []
     for _ in range(8):
-        ds, res = eng.generate(params, ds)
+        ds, res = served.generate(params, ds)
         sd = res.convert_to_numpy().get_result_at_slot(0)
         if not sd.valid[0, 0]:
             break
@@ -179,9 +200,9 @@ def test_pool_exhaustion_refuses_insert(model, reference):
 
 
 def test_sampling_is_reproducible_across_paths(model):
-    eng = TPPOEngine(model, TOK, max_slots=2, page_size=8, max_target_length=MAXLEN,
-                     max_prefill_length=16, eos_ids=(V + 5,),
-                     sampling=SamplingParams(temperature=1.0, top_p=0.9, top_k=20))
+    eng = DecodeEngine(model, eos_ids=(V + 5,), max_slots=2, page_size=8,
+                       max_target_length=MAXLEN,
+                       sampling=SamplingParams(temperature=1.0, top_p=0.9, top_k=20))
     params = eng.load_params()
     outs = []
     for windowed in (False, True):
@@ -194,8 +215,44 @@ def test_sampling_is_reproducible_across_paths(model):
         else:
             cols = []
             for _ in range(6):
-                ds, res = eng.generate(params, ds)
-                cols.append(np.asarray(res.data)[:, 0])
+                ds, data = eng.generate_step(params, ds)
+                cols.append(np.asarray(data)[:, 0])
             outs.append(np.stack(cols, 1))
     np.testing.assert_array_equal(outs[0], outs[1])
     assert len(set(outs[0][0].tolist())) > 1  # actually sampled, not a constant
+
+
+def _prompt_rows(prompts, width=16):
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for r, p in enumerate(prompts):
+        tokens[r, :len(p)] = p
+    return tokens, np.array([len(p) for p in prompts], np.int32)
+
+
+def test_decode_prompts_equals_the_slot_path(engine, model, reference, eos):
+    """A batch of prompts in one call (the held-out eval's path): the same tokens and
+    log-probs as prefill + insert + windows, each row stopping at EOS."""
+    params = engine.load_params(model)
+    order = [1, 0, 0, 1]
+    res = engine.decode_prompts(params, *_prompt_rows([PROMPTS[i] for i in order]), 8)
+    count = np.asarray(res.count)
+    exp = _expected(reference, eos)
+    for r, i in enumerate(order):
+        want_toks, want_lps = exp[i][0][:8], exp[i][1][:8]
+        assert np.asarray(res.tokens)[r, :count[r]].tolist() == want_toks
+        np.testing.assert_allclose(np.asarray(res.logprobs)[r, :count[r]], want_lps, atol=1e-4)
+    assert int(res.version) == engine.version
+
+
+def test_prefill_prompts_on_a_short_pool(model, reference):
+    """A row that gets no pages is not live: it generates nothing, the others decode."""
+    eng = DecodeEngine(model, eos_ids=(V + 5,), max_slots=2, page_size=4,
+                       max_target_length=MAXLEN, num_pages=3,
+                       sampling=SamplingParams(greedy=True))
+    params = eng.load_params()
+    ds, ok = eng.prefill_prompts(params, *_prompt_rows(PROMPTS))  # 1 page, then 3 of 2 left
+    assert np.asarray(ok).tolist() == [True, False]
+    assert np.asarray(ds.live).tolist() == [True, False]
+    ds, out = eng.generate_window(ds, params, 3)
+    assert np.asarray(out.count).tolist() == [3, 0]
+    assert np.asarray(out.tokens)[0].tolist() == reference[0][0][:3]

@@ -20,7 +20,8 @@ from jetstream.engine import token_utils
 from tppo_jax.models.hf import from_pretrained
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.rollout.decode import SamplingParams
-from tppo_jax.rollout.engine import TPPOEngine
+from tppo_jax.rollout.engine import DecodeEngine
+from tppo_jax.rollout.jetstream_engine import JetStreamEngine
 from tppo_jax.rollout.server import EngineServer, PromptAsSentDriver
 from tppo_jax.rollout.tokenizer_adapter import JetStreamTokenizer, encode_request_text
 
@@ -74,9 +75,10 @@ def test_served_text_and_ids_equal_the_engine(tmp_path, adds_bos):
     model = from_pretrained(FIXTURE)
     nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x,
                                    nnx.state(model, nnx.Param)))
-    engine = TPPOEngine(model, tok, max_slots=2, max_target_length=64, page_size=16,
-                        max_prefill_length=32, sampling=SamplingParams(greedy=True),
-                        eos_ids=(2,))
+    engine = JetStreamEngine(DecodeEngine(model, eos_ids=(2,), max_slots=2,
+                                          max_target_length=64, page_size=16,
+                                          sampling=SamplingParams(greedy=True)),
+                             tok, max_prefill_length=32)
     text = "w17 w33 w5 w200 w91 w64 w3"
     ids = encode_request_text(tok, text)
     # Reference: the engine's JetStream path on exactly these ids.

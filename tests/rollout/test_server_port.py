@@ -30,7 +30,8 @@ from tppo_jax.cli import _register_optional, build_parser
 from tppo_jax.models.hf import from_pretrained
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.rollout.decode import SamplingParams
-from tppo_jax.rollout.engine import TPPOEngine
+from tppo_jax.rollout.engine import DecodeEngine
+from tppo_jax.rollout.jetstream_engine import JetStreamEngine
 from tppo_jax.rollout.server import EngineServer, check_port, ensure_port_free, validate_request
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "llama"
@@ -86,9 +87,10 @@ class _Steps:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tok = _tokenizer(tmp_path_factory.mktemp("tok") / "words")
-    engine = TPPOEngine(from_pretrained(FIXTURE), tok, max_slots=SLOTS, max_target_length=128,
-                        page_size=16, max_prefill_length=PREFILL,
-                        sampling=SamplingParams(greedy=True), eos_ids=())  # never stops early
+    core = DecodeEngine(from_pretrained(FIXTURE), eos_ids=(), max_slots=SLOTS,  # no early stop
+                        max_target_length=128, page_size=16,
+                        sampling=SamplingParams(greedy=True))
+    engine = JetStreamEngine(core, tok, max_prefill_length=PREFILL)
     gate, steps = _Gate(engine.prefill), _Steps(engine.generate)
     engine.prefill, engine.generate = gate, steps
     with EngineServer(engine) as server, grpc.insecure_channel(

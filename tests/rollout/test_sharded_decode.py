@@ -2,34 +2,28 @@
 and decode (tensor-parallel) layouts by an explicit reshard."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.parallel.mesh import layout_rules, make_mesh, named_sharding, reshard
 from tppo_jax.rollout.decode import SamplingParams
-from tppo_jax.rollout.engine import TPPOEngine
+from tppo_jax.rollout.engine import DecodeEngine
 
 CFG = ModelConfig.tiny(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=16)
 
 
 def _decode(model, mesh=None):
-    """The engine's batched prefill + one 12-token window over a dense cache (on ``mesh``)."""
+    """The engine's batched prefill + one 12-token window over a dense cache (on ``mesh``):
+    ``decode_prompts``, as the held-out eval runs it."""
     b, s = 8, 24
     rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(4, 60, size=(b, s)), jnp.int32)
-    lens = jnp.asarray(rng.integers(3, 9, size=b), jnp.int32)
-    eng = TPPOEngine(model, None, max_slots=b, max_target_length=s, kv_cache="dense",
-                     max_prefill_length=16, sampling=SamplingParams(greedy=True), eos_ids=(),
-                     mesh=mesh)
-    params = eng.load_params(model)
-    ds = eng.sync(eng.init_decode_state(), next_token=tokens[:, 0], position=lens - 1,
-                  generated=jnp.zeros(b, jnp.int32), seq_id=jnp.arange(b, dtype=jnp.uint32),
-                  live=jnp.ones(b, bool))
-    ds, _ = eng.prefill_slots(params, ds, tokens, lens, jnp.ones(b, bool))
-    _, out = eng.generate_window(ds, params, 12)
+    tokens = rng.integers(4, 60, size=(b, s)).astype(np.int32)
+    lens = rng.integers(3, 9, size=b).astype(np.int32)
+    eng = DecodeEngine(model, eos_ids=(), max_slots=b, max_target_length=s, kv_cache="dense",
+                       sampling=SamplingParams(greedy=True), mesh=mesh)
+    out = eng.decode_prompts(eng.load_params(model), tokens, lens, 12)
     return np.asarray(out.tokens), np.asarray(out.logprobs)
 
 

@@ -167,7 +167,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from tppo_jax.data.prompts import prompt_builder
-    from tppo_jax.eval.heldout import evaluate
+    from tppo_jax.eval.heldout import EvalEngines, evaluate
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.train.setup import load_data, make_grader
 
@@ -181,10 +181,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_p=args.top_p)
     lens = dict(max_prompt_len=cfg.rollout.max_prompt_len,
                 max_response_len=cfg.rollout.max_response_len)
+    engines = EvalEngines()  # --show decodes with the eval's engine: no second compile
     with make_grader(cfg) as grader:
-        res = evaluate(policy, tok, eval_rows, encode, grader, k=k, sampling=sampling, **lens)
+        res = evaluate(policy, tok, eval_rows, encode, grader, k=k, sampling=sampling,
+                       engines=engines, **lens)
         if args.show > 0:
-            _show_samples(policy, tok, eval_rows[:args.show], prompts, grader, sampling, lens)
+            _show_samples(policy, tok, eval_rows[:args.show], prompts, grader, sampling, lens,
+                          engines)
     res.update(step=step, k=k, temperature=args.temperature, top_p=args.top_p,
                greedy=args.greedy, questions=len(eval_rows))
     out = Path(args.out or run_dir / f"eval_{step}.json")
@@ -193,12 +196,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _show_samples(policy, tok, rows, prompts, grader, sampling, lens) -> None:
+def _show_samples(policy, tok, rows, prompts, grader, sampling, lens, engines) -> None:
     """Prints each row's prompt, one completion, and its grade (``tppo eval --show N``)."""
     from tppo_jax.eval.heldout import generate_answers
 
     responses = generate_answers(policy, tok, [prompts.ids(e, tok) for e in rows],
-                                 sampling=sampling, **lens)
+                                 sampling=sampling, engines=engines, **lens)
     texts = [tok.decode(r) for r in responses]
     graded = grader.grade(texts, [e.answer for e in rows])
     for e, text, reason, reward in zip(rows, texts, graded.reasons, graded.rewards,

@@ -1,4 +1,5 @@
-"""``tppo serve`` / ``tppo generate``: the engine behind JetStream's gRPC API.
+"""``tppo serve`` / ``tppo generate``: the decode engine that trains, behind JetStream's gRPC
+API (``rollout.jetstream_engine`` adapts it; JetStream is imported only inside these commands).
 
 ``tppo serve`` with no arguments serves, in order of preference: the default run's latest
 policy checkpoint (``runs/default``), the latest warm-started policy
@@ -72,7 +73,7 @@ def _host(text: str) -> str:
 
 
 def _prefill_bucket(n: int) -> int:
-    from tppo_jax.rollout.engine import PREFILL_BUCKETS
+    from tppo_jax.rollout.jetstream_engine import PREFILL_BUCKETS
 
     return next((b for b in PREFILL_BUCKETS if b >= n), PREFILL_BUCKETS[-1])
 
@@ -151,7 +152,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tppo_jax.compat.jetstream import LOOPBACK_HOST
     from tppo_jax.config import load_config
     from tppo_jax.rollout.decode import SamplingParams
-    from tppo_jax.rollout.engine import TPPOEngine
+    from tppo_jax.rollout.engine import DecodeEngine
+    from tppo_jax.rollout.jetstream_engine import JetStreamEngine
     from tppo_jax.rollout.server import EngineServer
 
     host = args.host or LOOPBACK_HOST
@@ -169,12 +171,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:  # no tokenizer / config.json, unreadable files
             return _refuse(f"cannot load the model to serve: {e}")
         prefill = _prefill_bucket(r.max_prompt_len)
-        engine = TPPOEngine(
-            model, tok, max_slots=args.slots, page_size=args.page_size or r.page_size,
+        core = DecodeEngine(
+            model, eos_ids=tok.eos_ids, max_slots=args.slots,
+            page_size=args.page_size or r.page_size,
             max_target_length=max(prefill, r.max_prompt_len) + r.max_response_len,
-            max_prefill_length=prefill, tokenizer_path=tok_path, strict_insert=False,
             num_pages=r.num_pages, kv_cache=r.kv_cache,
             sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
+        engine = JetStreamEngine(core, tok, max_prefill_length=prefill, tokenizer_path=tok_path,
+                                 strict_insert=False)
         try:
             server = EngineServer(engine, host=host, port=args.port).start()
         except OSError as e:  # the port was taken while the model loaded
@@ -183,7 +187,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         print(f"READY serving {what} on {server.host}:{server.port} "
-              f"({engine.max_concurrent_decodes} slots, {engine.pages_total} KV pages)",
+              f"({engine.max_concurrent_decodes} slots, {core.pages_total} KV pages)",
               flush=True)
         stop.wait()
         print("stopping", flush=True)

@@ -11,7 +11,10 @@ JetStream 0.2.2 (archived upstream) has three problems on today's stack:
 3. ``jetstream.core.server_lib`` binds gRPC to ``[::]`` (every interface). We
    bind to 127.0.0.1 unless the caller asks for another host.
 
-Import this module before any ``jetstream`` import; importing it twice is a no-op.
+Import this module before any ``jetstream`` import; importing it twice is a no-op. Only the
+serving modules import it (``rollout.jetstream_engine``, ``rollout.tokenizer_adapter``,
+``rollout.server`` and ``tppo serve`` / ``generate``), so its process-wide patches never
+reach training or the held-out eval.
 """
 
 from __future__ import annotations

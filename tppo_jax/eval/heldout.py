@@ -1,14 +1,20 @@
 """Held-out evaluation: decode answers for a list of examples and grade them (avg@k, pass@k).
 
+Decoding goes through the rollout's ``DecodeEngine`` (``decode_prompts``: one window of the
+response length per batch of prompts), so the eval samples exactly as training does. Its
+jitted window compiles once per engine: a caller that evaluates repeatedly (a training run,
+a sweep) keeps one ``EvalEngines`` and passes it to every call; without one, each call
+builds its own engine.
+
 With several processes each host decodes and grades its share of the examples; the
 per-example results are gathered, so every host returns the same metrics."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -20,40 +26,49 @@ from tppo_jax.parallel import multihost as mh
 from tppo_jax.rewards.grader import MathGrader
 from tppo_jax.rewards.step_verifier import verify_solution
 from tppo_jax.rollout.decode import SamplingParams
-from tppo_jax.rollout.engine import TPPOEngine
-
-_ENGINES: dict[tuple, TPPOEngine] = {}
+from tppo_jax.rollout.engine import DecodeEngine
 
 
-def _engine(model: nnx.Module, tok: Tokenizer, batch_size: int, max_len: int,
-            sampling: SamplingParams, mesh) -> TPPOEngine:
-    """One engine per model shape and decode setting, reused by every eval of a run: its
-    jitted window is then compiled once, not again at each held-out evaluation (weights and
-    seed are per call)."""
-    key = (repr(model.config), batch_size, max_len, sampling, tuple(tok.eos_ids), mesh)
-    if key not in _ENGINES:
-        _ENGINES[key] = TPPOEngine(model, tok, max_slots=batch_size, max_target_length=max_len,
-                                   kv_cache="dense", max_prefill_length=16, sampling=sampling,
-                                   mesh=mesh)
-        _ENGINES[key].drop_initial_params()  # each eval passes its own weights
-    return _ENGINES[key]
+class EvalEngines:
+    """The eval's decode engines, one per model shape and decode setting (weights and seed
+    are per call): held by whoever evaluates repeatedly, so each engine's window compiles
+    once, not at every evaluation."""
+
+    def __init__(self) -> None:
+        self._engines: dict[tuple, DecodeEngine] = {}
+
+    def get(self, model: nnx.Module, eos_ids: Sequence[int], batch_size: int, max_len: int,
+            sampling: SamplingParams, mesh: Any) -> DecodeEngine:
+        key = (repr(model.config), batch_size, max_len, sampling, tuple(eos_ids), mesh)
+        if key not in self._engines:
+            engine = DecodeEngine(model, eos_ids=eos_ids, max_slots=batch_size,
+                                  max_target_length=max_len, kv_cache="dense",
+                                  sampling=sampling, mesh=mesh)
+            engine.drop_initial_params()  # each eval passes its own weights
+            self._engines[key] = engine
+        return self._engines[key]
+
+    def __len__(self) -> int:
+        return len(self._engines)
 
 
 def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[int]], *,
                      max_prompt_len: int, max_response_len: int, sampling: SamplingParams,
-                     batch_size: int = 64, seed: int = 0, mesh=None) -> list[list[int]]:
+                     batch_size: int = 64, seed: int = 0, mesh: Any = None,
+                     engines: EvalEngines | None = None) -> list[list[int]]:
     """Decodes one response per prompt through the rollout engine (one window of
     ``max_response_len``), ``batch_size`` slots at a time.
 
     With a mesh the slots are sharded over it; with several processes ``prompts`` are this
     host's and ``batch_size`` is the global batch (every host runs the same batch count).
+    ``engines``: where the engine is kept between calls (default: built for this call).
     """
     s = max_prompt_len + max_response_len
     hosts, me = jax.process_count(), jax.process_index()
     local_bs = mh.local_count(batch_size)
     n_batches = -(-int(mh.max_over_hosts({"n": len(prompts)})["n"]) // local_bs)
-    put = (lambda x: mh.host_to_global(x, mesh)) if mesh is not None else jnp.asarray
-    engine = _engine(model, tok, batch_size, s, sampling, mesh)
+    engines = EvalEngines() if engines is None else engines
+    engine = engines.get(model, tok.eos_ids, batch_size, s, sampling, mesh)
     params = engine.load_params(model)
     # The prefill runs over the prompt columns only (a width every host agrees on), not over
     # the response part of the cache's buffer.
@@ -72,13 +87,8 @@ def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[i
             lens[i] = len(ids)
         # Row ids seed the sampling streams: globally unique across batches and hosts.
         row_ids = b * local_bs * hosts + me * local_bs + np.arange(local_bs)
-        ds = engine.init_decode_state().replace(rng=jax.random.PRNGKey(seed))
-        ds = engine.sync(ds, next_token=put(tokens[:, 0]),
-                         position=put(lens - 1), generated=put(np.zeros(local_bs, np.int32)),
-                         seq_id=put(row_ids.astype(np.uint32)), live=put(np.ones(local_bs, bool)))
-        ds, _ = engine.prefill_slots(params, ds, put(tokens), put(lens),
-                                     put(np.ones(local_bs, bool)))
-        _, res = engine.generate_window(ds, params, max_response_len)
+        res = engine.decode_prompts(params, tokens, lens, max_response_len, seq_ids=row_ids,
+                                    seed=seed)
         toks, count = mh.tree_to_host((res.tokens, res.count))
         out.extend(toks[i, :count[i]].tolist() for i in range(n))
     return out
@@ -87,19 +97,20 @@ def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[i
 def evaluate(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathExample],
              encode_prompt: Callable[[MathExample], list[int]], grader: MathGrader, *,
              max_prompt_len: int, max_response_len: int, k: int = 1,
-             sampling: SamplingParams | None = None, seed: int = 0,
-             mesh=None) -> dict[str, float]:
+             sampling: SamplingParams | None = None, seed: int = 0, mesh: Any = None,
+             engines: EvalEngines | None = None) -> dict[str, float]:
     """Accuracy of ``k`` samples per example: ``avg@k`` (percent) and ``pass@k``.
 
     Greedy decoding when ``sampling`` is None (then ``k`` must be 1). Every host passes
     the full ``examples``; each decodes and grades its share (see the module docstring).
+    ``engines``: as ``generate_answers`` takes it.
     """
     sampling = sampling or SamplingParams(greedy=True)
     examples = mh.split_for_host(examples)
     prompts = [encode_prompt(e) for e in examples for _ in range(k)]
     responses = generate_answers(model, tok, prompts, max_prompt_len=max_prompt_len,
                                  max_response_len=max_response_len, sampling=sampling, seed=seed,
-                                 mesh=mesh)
+                                 mesh=mesh, engines=engines)
     texts = [tok.decode(r) for r in responses]
     answers = [e.answer for e in examples for _ in range(k)]
     graded = grader.grade(texts, answers)

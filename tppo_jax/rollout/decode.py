@@ -1,7 +1,7 @@
 """The decode core: prefill, the window ``lax.while_loop``, sampling, one RNG rule.
 
 Every token this package generates (training windows, held-out eval, ``tppo serve``) comes
-from ``decode_window`` here, driven by ``rollout.engine.TPPOEngine``. It works over any
+from ``decode_window`` here, driven by ``rollout.engine.DecodeEngine``. It works over any
 ``KVCache`` (``DenseKVCache`` or ``rollout.paged_cache.PagedKVCache``): the cache only
 stores and attends; this module decides what to feed and what to keep.
 
@@ -9,7 +9,7 @@ Cache invariant: a live row has positions ``[0, position)`` cached and its pendi
 ``next_token`` (a prompt's last token, or the last token sampled) sits at ``position`` and
 has not been fed yet. Each loop iteration feeds it, samples the following token and makes
 that the pending one. So a continuation resumes exactly where its previous window stopped,
-and one token (JetStream's ``generate``) is a window of 1.
+and one token (the engine's ``generate_step``, JetStream's ``generate``) is a window of 1.
 
 RNG rule (the only one): response token ``n`` of the sequence with id ``seq_id`` is drawn
 with ``fold_in(fold_in(rng, n), seq_id)``. Results then depend on neither the batch

@@ -1,24 +1,27 @@
-"""``TPPOEngine``: JetStream's ``Engine`` API over the decode core, for every caller.
+"""``DecodeEngine``: continuous batching over decode slots, for every caller that decodes.
 
-Training windows (``rollout.scheduler``), the held-out eval (``eval.heldout``) and
-``tppo serve`` (JetStream's orchestrator) all decode through this one engine, and the engine
-decodes only through ``rollout.decode`` (prefill + the window loop + sampling + the RNG
-rule). JetStream's ``generate`` is a window of one token; ``generate_window`` is the
-truncated-rollout window (up to ``l`` tokens per slot in one jitted loop).
+Training windows (``rollout.scheduler``), the held-out eval (``eval.heldout``), the
+benchmarks and ``tppo serve`` (through ``rollout.jetstream_engine``, JetStream's ``Engine``
+API over this same object) all decode through this one engine, and the engine decodes only
+through ``rollout.decode`` (prefill + the window loop + sampling + the RNG rule), so what is
+served is what trains. It works in token ids and knows nothing of tokenizers or serving
+protocols: the training path never imports a serving stack.
 
 The cache is dense (one row per slot; works across hosts) or paged (one shared pool;
 ``rollout.kv_slots`` owns page budgets, prompt sharing and freeing). Cache invariant: see
 ``rollout.decode`` -- a live slot has ``[0, position)`` cached and ``next_token`` pending.
 
-Beyond JetStream's API, callers that keep their own host state (the scheduler, the eval)
-use the batched operations: ``sync`` (set the per-slot vectors), ``prefill_slots`` (prefill
-many rows straight into their slots), ``share_prompt``, ``generate_window`` and
-``free_slots``.
+Operations: per request, ``prefill`` one prompt into a ``Prefix`` and ``insert`` it into a
+slot (``insert_group``: G samples sharing its pages), then ``generate_step`` (one token per
+live slot). Batched, for callers that keep their own host state (the scheduler): ``sync``
+(set the per-slot vectors), ``prefill_slots`` (prefill many rows straight into their slots),
+``share_prompt``, ``generate_window`` (the truncated-rollout window: up to ``l`` tokens per
+slot in one jitted loop) and ``free_slots``. A batch of prompts from scratch:
+``prefill_prompts`` and ``decode_prompts``.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -26,22 +29,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import; quiets its logging)
-
-# isort: split
-from jetstream.engine import engine_api, tokenizer_pb2
-
+from tppo_jax.parallel.multihost import host_to_global
 from tppo_jax.rollout import kv_slots
 from tppo_jax.rollout import pages as pg
 from tppo_jax.rollout.decode import SamplingParams, decode_window, prefill
-from tppo_jax.rollout.tokenizer_adapter import JetStreamTokenizer
-
-log = logging.getLogger(__name__)
 
 Array = jax.Array
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# The columns of ``generate_step``'s ``[S, 5]`` int32 result (log-prob as float32 bits).
+STEP_COLUMNS = ("token", "valid", "length", "logprob_bits", "version")
 
 
 class PoolExhaustedError(RuntimeError):
@@ -105,72 +102,39 @@ class WindowResult(NamedTuple):
     steps: Array
 
 
-@struct.dataclass
-class TPPOResultTokens(engine_api.ResultTokens):
-    """JetStream ``ResultTokens`` (``data [S, 5]`` int32: token, valid, length, log-prob bits,
-    policy version) with two extra column ranges; the orchestrator reads only the first three."""
-
-    logprob_idx: tuple[int, int] = struct.field(pytree_node=False, default=(3, 4))
-    version_idx: tuple[int, int] = struct.field(pytree_node=False, default=(4, 5))
-
-    def convert_to_numpy(self) -> TPPOResultTokens:
-        return self.replace(data=np.asarray(self.data))
-
-    def logprobs(self) -> np.ndarray:
-        """``[S, 1]`` float32 log-prob of each slot's token (junk where not valid)."""
-        col = np.asarray(self.data[:, self.logprob_idx[0]:self.logprob_idx[1]], np.int32)
-        return col.view(np.float32)
-
-    def versions(self) -> np.ndarray:
-        """``[S, 1]`` int32 policy version that sampled each token."""
-        return np.asarray(self.data[:, self.version_idx[0]:self.version_idx[1]])
-
-
-class TPPOEngine(engine_api.Engine):
+class DecodeEngine:
     """Continuous batching over ``max_slots`` slots.
 
     Args:
-      model: the policy ``Transformer`` (``load_params()`` with no argument serves it).
-      tokenizer: ``models.tokenizer.Tokenizer``; tokenizer_path: reported to JetStream.
+      model: the policy ``Transformer`` (``load_params()`` with no argument decodes with it).
+      eos_ids: the stop tokens (empty: every sequence runs to its budget or the slot's end).
       max_slots: concurrent sequences S (global over hosts for a dense cache on a mesh).
-      max_target_length: prompt + generated positions per slot.
+      max_target_length: prompt + generated positions per slot (paged: whole pages).
       kv_cache: ``paged`` (page_size, num_pages: 0 = every slot at full length), ``dense``, or
         ``auto`` (``kv_slots.resolve_kind``: paged on TPU/GPU, dense on CPU).
-      max_prefill_length: JetStream prefill bucket cap (16, 32, ... 32768).
-      sampling: static ``SamplingParams``; eos_ids: stop tokens (default ``tokenizer.eos_ids``).
-      mesh: lay a dense cache out on it (slots over the batch axes).
-      strict_insert: ``insert`` raises ``PoolExhaustedError`` when pages run out; False (the
-        server) logs and leaves the slot empty, so JetStream ends that request with no tokens.
+      sampling: static ``SamplingParams``; seed: the PRNG key every sampling stream derives
+        from (with the sequence's ``seq_id`` and position: ``rollout.decode``).
+      mesh: lay a dense cache out on it (slots over the batch axes); ``put_rows`` places this
+        host's per-slot rows on it.
     """
 
-    def __init__(self, model: nnx.Module, tokenizer: Any, *, max_slots: int = 8,
+    def __init__(self, model: nnx.Module, *, eos_ids: Sequence[int], max_slots: int = 8,
                  max_target_length: int = 512, kv_cache: str = "paged", page_size: int = 16,
-                 num_pages: int = 0, max_prefill_length: int = 128,
-                 sampling: SamplingParams | None = None, eos_ids: Sequence[int] | None = None,
-                 seed: int = 0, mesh: Mesh | None = None, attn_impl: str = "auto",
-                 tokenizer_path: str = "", strict_insert: bool = True) -> None:
-        if max_prefill_length not in PREFILL_BUCKETS:
-            raise ValueError(f"max_prefill_length must be one of {PREFILL_BUCKETS}")
-        if max_prefill_length > max_target_length:
-            raise ValueError("max_prefill_length must not exceed max_target_length")
+                 num_pages: int = 0, sampling: SamplingParams | None = None, seed: int = 0,
+                 mesh: Mesh | None = None, attn_impl: str = "auto") -> None:
         if kv_cache not in ("paged", "dense", "auto"):
             raise ValueError(f"kv_cache must be 'paged', 'dense' or 'auto', got {kv_cache!r}")
         kv_cache = kv_slots.resolve_kind(kv_cache)
         self.config = model.config
-        self.tokenizer = tokenizer
-        self.tokenizer_path = tokenizer_path
         self.sampling = sampling or SamplingParams()
-        ids = tokenizer.eos_ids if eos_ids is None else eos_ids
-        self.eos_ids = tuple(int(i) for i in ids)
+        self.eos_ids = tuple(int(i) for i in eos_ids)
         self.kv_cache = kv_cache
         self.page_size = page_size
         if kv_cache == "paged":
             max_target_length = -(-max_target_length // page_size) * page_size
         self.max_target_length = max_target_length
         self.num_pages = num_pages or max_slots * (max_target_length // page_size)
-        self.strict_insert = strict_insert
-        self._slots, self._prefill_len, self._seed, self._impl = (
-            max_slots, max_prefill_length, seed, attn_impl)
+        self._slots, self._seed, self._impl = max_slots, seed, attn_impl
         self._cache_mesh = mesh
         self._mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), ("data",))
         self._graphdef, self._init_state = nnx.split(model)
@@ -181,30 +145,19 @@ class TPPOEngine(engine_api.Engine):
         self._prefill_slots_fn = jax.jit(self._prefill_slots_impl, donate_argnums=1)
         self._share_fn = jax.jit(self._share_impl, donate_argnums=0)
         self._window_fn = jax.jit(self._window_impl, static_argnums=2, donate_argnums=0)
-        self._generate_fn = jax.jit(self._generate_impl, donate_argnums=0)
+        self._step_fn = jax.jit(self._step_impl, donate_argnums=0)
         self._free_fn = jax.jit(lambda ds, m: ds.replace(cache=kv_slots.free(ds.cache, m),
                                                          live=ds.live & ~m))
 
-    # ------------------------------------------------------------------ Engine properties
+    # ------------------------------------------------------------------ properties
     @property
-    def max_concurrent_decodes(self) -> int:
+    def max_slots(self) -> int:
         return self._slots
 
     @property
-    def samples_per_slot(self) -> int:
-        return 1
-
-    @property
-    def max_prefill_length(self) -> int:
-        return self._prefill_len
-
-    @property
     def mesh(self) -> Mesh:
+        """The cache's mesh (one device when the engine was given none)."""
         return self._mesh
-
-    @property
-    def colocated_cpus(self) -> None:
-        return None
 
     @property
     def pages_total(self) -> int:
@@ -214,19 +167,16 @@ class TPPOEngine(engine_api.Engine):
         """Pages with refcount > 0 (a shared prompt page counts once)."""
         return kv_slots.pages_in_use(decode_state.cache)
 
-    def get_prefix_destination_sharding(self) -> NamedSharding:
-        return NamedSharding(self._mesh, PartitionSpec())
-
-    def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
-        return tokenizer_pb2.TokenizerParameters(path=self.tokenizer_path)
-
-    def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> Any:
-        """A ``JetStreamTokenizer`` over our tokenizer, stopping on ``eos_ids``."""
-        return JetStreamTokenizer(self.tokenizer, self.eos_ids)
+    def put_rows(self, x: np.ndarray) -> Array:
+        """This host's rows of a per-slot array as the device array the engine takes: global
+        and batch-sharded over the engine's mesh when it has one."""
+        if self._cache_mesh is None:
+            return jnp.asarray(x)
+        return host_to_global(x, self._cache_mesh)
 
     # ------------------------------------------------------------------ params / state
-    def load_params(self, model: nnx.Module | Any = None, *args: Any,
-                    version: int | None = None, **kwargs: Any) -> EngineParams:
+    def load_params(self, model: nnx.Module | Any = None, *,
+                    version: int | None = None) -> EngineParams:
         """New policy weights (a module, an ``nnx.State``, or None = the initial model),
         recorded with every token they sample as ``version`` (default: one more than the
         previous call's)."""
@@ -244,7 +194,8 @@ class TPPOEngine(engine_api.Engine):
         then fails): a long-lived engine that is always given weights pins no stale copy."""
         self._init_state = None
 
-    def init_decode_state(self, *args: Any, **kwargs: Any) -> DecodeState:
+    def init_decode_state(self) -> DecodeState:
+        """Every slot empty; the PRNG key from the engine's ``seed``."""
         s = self._slots
         cache = kv_slots.new_cache(self.config, s, self.max_target_length, kind=self.kv_cache,
                                    page_size=self.page_size, num_pages=self.num_pages,
@@ -274,11 +225,10 @@ class TPPOEngine(engine_api.Engine):
         return Prefix(k=cache.k[:, 0], v=cache.v[:, 0], length=n,
                       next_token=tokens[n].astype(jnp.int32))
 
-    def prefill(self, *, params: EngineParams, existing_prefix: Prefix | None = None,
-                padded_tokens: Array, true_length: int) -> Prefix:
-        """Caches ``padded_tokens[:true_length - 1]`` (``[P]``, P a prefill bucket)."""
-        if existing_prefix is not None:
-            raise NotImplementedError("TPPOEngine does not extend existing prefixes")
+    def prefill(self, params: EngineParams, padded_tokens: Array | np.ndarray,
+                true_length: int) -> Prefix:
+        """One prompt: caches ``padded_tokens[:true_length - 1]`` (``[P]``; a fixed set of
+        widths P keeps the compiles few), its last token pending."""
         tokens = jnp.asarray(padded_tokens, jnp.int32)
         true_length = max(1, min(int(true_length), tokens.shape[0]))
         return self._prefill_fn(params, tokens, jnp.int32(true_length))
@@ -286,7 +236,7 @@ class TPPOEngine(engine_api.Engine):
     def _insert_impl(self, ds: DecodeState, prefix: Prefix, slot: Array, seq_id: Array
                      ) -> tuple[DecodeState, Array]:
         mask = jnp.arange(self._slots) == slot
-        cache = kv_slots.free(ds.cache, mask)  # JetStream reuses a slot without telling us
+        cache = kv_slots.free(ds.cache, mask)  # a slot may be reused without a free
         cache, ok = kv_slots.reserve(cache, mask, jnp.where(mask, prefix.length, 0))
         ok = ok[slot]
         cache = _write_prefix(cache, prefix, slot, ok)
@@ -311,18 +261,16 @@ class TPPOEngine(engine_api.Engine):
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
                seq_id: int | None = None) -> DecodeState:
-        """Places a prefix into ``slot`` (freeing what it held); see ``strict_insert``.
-        ``decode_state`` is donated."""
+        """Places a prefix into ``slot`` (freeing what it held). Raises ``PoolExhaustedError``
+        (holding the state to keep using) when the pages run out. ``decode_state`` is
+        donated."""
         ds, ok = self.try_insert(prefix, decode_state, slot, seq_id=seq_id)
         if ok:
             return ds
         need = kv_slots.pages_for(int(prefix.length), self.page_size)
-        msg = (f"KV page pool exhausted: slot {slot} needs {need} pages, "
-               f"{self.num_pages - self.pages_in_use(ds)} free of {self.num_pages}")
-        if self.strict_insert:
-            raise PoolExhaustedError(msg, ds)
-        log.warning("%s; request dropped", msg)
-        return ds
+        raise PoolExhaustedError(
+            f"KV page pool exhausted: slot {slot} needs {need} pages, "
+            f"{self.num_pages - self.pages_in_use(ds)} free of {self.num_pages}", ds)
 
     def _prefill_slots_impl(self, params: EngineParams, ds: DecodeState, tokens: Array,
                             lengths: Array, rows: Array) -> tuple[DecodeState, Array]:
@@ -419,12 +367,11 @@ class TPPOEngine(engine_api.Engine):
         first = jnp.zeros(s, bool) if first is None else first
         return self._window_fn(decode_state, params, int(num_steps), budget, first)
 
-    def _generate_impl(self, ds: DecodeState, params: EngineParams
-                       ) -> tuple[DecodeState, Array]:
+    def _step_impl(self, ds: DecodeState, params: EngineParams) -> tuple[DecodeState, Array]:
         s = self._slots
         ds, res = self._window_impl(ds, params, 1, jnp.ones(s, jnp.int32), jnp.zeros(s, bool))
-        # No page left: the slot ends (invalid token) so the server closes the request
-        # instead of stalling every slot behind it.
+        # No page left: the slot ends (invalid token) so a server closes the request instead
+        # of stalling every slot behind it.
         ds = ds.replace(cache=kv_slots.free(ds.cache, res.stalled), live=ds.live & ~res.stalled)
         run = res.count > 0
         data = jnp.stack([res.tokens[:, 0], run.astype(jnp.int32), ds.generated,
@@ -432,13 +379,47 @@ class TPPOEngine(engine_api.Engine):
                           jnp.broadcast_to(params.version, run.shape)], axis=1)
         return ds, data
 
-    def generate(self, params: EngineParams, decode_state: DecodeState
-                 ) -> tuple[DecodeState, TPPOResultTokens]:
-        """One token for every live slot: a window of 1 through the same decode core.
-        ``decode_state`` is donated (do not reuse it)."""
-        ds, data = self._generate_fn(decode_state, params)
-        return ds, TPPOResultTokens(data=data, tokens_idx=(0, 1), valid_idx=(1, 2),
-                                    length_idx=(2, 3), samples_per_slot=1)
+    def generate_step(self, params: EngineParams, decode_state: DecodeState
+                      ) -> tuple[DecodeState, Array]:
+        """One token for every live slot: a window of 1 through the same decode core; a slot
+        that gets no page ends. Returns ``(state, [S, 5] int32)``, columns ``STEP_COLUMNS``
+        (one array: one device-to-host copy per step). ``decode_state`` is donated."""
+        return self._step_fn(decode_state, params)
+
+    # ------------------------------------------------------------------ a batch of prompts
+    def prefill_prompts(self, params: EngineParams, tokens: np.ndarray, lengths: np.ndarray,
+                        *, seq_ids: np.ndarray | None = None, seed: int | None = None
+                        ) -> tuple[DecodeState, Array]:
+        """A fresh decode state with prompt row ``r`` (``tokens[r, :lengths[r]]``; this host's
+        ``[S_local, T]`` rows) prefilled into slot ``r``, every slot live.
+
+        seq_ids: each row's sampling stream (default: its row index over all hosts); seed:
+        the PRNG key (default: the engine's ``seed``). Returns ``(state, ok [S])``; a paged
+        slot that got no pages is not live (it generates nothing)."""
+        tokens, lengths = np.asarray(tokens), np.asarray(lengths, np.int32)
+        n, put = len(lengths), self.put_rows
+        if seq_ids is None:
+            seq_ids = jax.process_index() * n + np.arange(n)
+        ds = self.init_decode_state()
+        if seed is not None:
+            ds = ds.replace(rng=jax.random.PRNGKey(seed))
+        live = np.ones(n, bool)
+        ds = self.sync(ds, next_token=put(tokens[np.arange(n), np.maximum(lengths - 1, 0)]),
+                       position=put(lengths - 1), generated=put(np.zeros(n, np.int32)),
+                       seq_id=put(np.asarray(seq_ids, np.uint32)), live=put(live))
+        ds, ok = self.prefill_slots(params, ds, put(tokens), put(lengths), put(live))
+        if kv_slots.is_paged(ds.cache):
+            ds = ds.replace(live=ds.live & ok)
+        return ds, ok
+
+    def decode_prompts(self, params: EngineParams, tokens: np.ndarray, lengths: np.ndarray,
+                       max_new_tokens: int, *, seq_ids: np.ndarray | None = None,
+                       seed: int | None = None) -> WindowResult:
+        """Up to ``max_new_tokens`` for each prompt row (as ``prefill_prompts`` takes them),
+        in one window from a fresh state: the result's ``tokens [S, max_new_tokens]`` and
+        ``count [S]`` are each row's response (it stops at EOS)."""
+        ds, _ = self.prefill_prompts(params, tokens, lengths, seq_ids=seq_ids, seed=seed)
+        return self.generate_window(ds, params, max_new_tokens)[1]
 
 
 def _write_prefix(cache: Any, prefix: Prefix, slot: Array, ok: Array) -> Any:

@@ -3,8 +3,8 @@
 Each ``step()``:
 1. fills empty slots with fresh prompts, G samples per prompt (continuations never
    leave their slot, so they are "first" by construction);
-2. generates at most ``window`` new tokens in every slot through the JetStream engine
-   (``rollout.engine.TPPOEngine``: batched prefill into slots, then one jitted window);
+2. generates at most ``window`` new tokens in every slot through the decode engine
+   (``rollout.engine.DecodeEngine``: batched prefill into slots, then one jitted window);
 3. marks rows finished (EOS, or the K-th window full, i.e. ``L`` response tokens);
 4. returns a ``RolloutBatch`` of every slot; the caller grades finished rows, trains,
    then calls ``release_finished()`` so their slots take new prompts next step.
@@ -36,7 +36,7 @@ from tppo_jax.parallel.multihost import (
 )
 from tppo_jax.rollout import kv_slots
 from tppo_jax.rollout.decode import SamplingParams
-from tppo_jax.rollout.engine import TPPOEngine
+from tppo_jax.rollout.engine import DecodeEngine
 
 
 @dataclass
@@ -142,10 +142,10 @@ class TruncatedRolloutScheduler:
         self.kv_policy = kv_policy
         self.kv_cache = kv_cache = kv_slots.resolve_kind(kv_cache)
         self.mesh = mesh
-        self.engine = TPPOEngine(model, None, max_slots=slots, max_target_length=self.S,
-                                 kv_cache=kv_cache, page_size=page_size, num_pages=num_pages,
-                                 max_prefill_length=16, sampling=sampling, eos_ids=eos_ids,
-                                 seed=seed, mesh=mesh if kv_cache == "dense" else None)
+        self.engine = DecodeEngine(model, eos_ids=eos_ids, max_slots=slots,
+                                   max_target_length=self.S, kv_cache=kv_cache,
+                                   page_size=page_size, num_pages=num_pages, sampling=sampling,
+                                   seed=seed, mesh=mesh if kv_cache == "dense" else None)
         self.ds = self.engine.init_decode_state()
         self.state = SlotState.empty(self.B, self.S)
         self.examples: dict[int, MathExample] = {}

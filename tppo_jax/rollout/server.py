@@ -1,7 +1,8 @@
-"""JetStream gRPC serving of ``TPPOEngine`` (bound to loopback unless asked otherwise).
+"""JetStream gRPC serving of a ``JetStreamEngine`` (bound to loopback unless asked otherwise).
 
-We build JetStream's ``Driver`` (prefill / transfer / generate / detokenize threads) around one
-engine in interleaved mode, and serve it with our own ``grpc.aio`` server instead of
+The engine is ``rollout.jetstream_engine``'s adapter over the decode engine that trains. We
+build JetStream's ``Driver`` (prefill / transfer / generate / detokenize threads) around it
+in interleaved mode, and serve it with our own ``grpc.aio`` server instead of
 ``server_lib.JetStreamServer`` for two reasons:
 
 * requests are validated *before* they reach the driver: JetStream's worker threads SIGKILL
@@ -40,7 +41,8 @@ from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 from jetstream.engine import engine_api, token_utils
 
 from tppo_jax.compat.jetstream import LOOPBACK_HOST, quiet_logging
-from tppo_jax.rollout.engine import EngineParams, TPPOEngine
+from tppo_jax.rollout.engine import EngineParams
+from tppo_jax.rollout.jetstream_engine import JetStreamEngine
 from tppo_jax.rollout.tokenizer_adapter import encode_request_text
 
 log = logging.getLogger(__name__)
@@ -260,13 +262,13 @@ class EngineServer:
     """``Driver`` + gRPC server around one engine; ``start()`` then ``stop()``.
 
     Args:
-      engine: the engine (used as both prefill and generate engine).
+      engine: the JetStream engine (used as both prefill and generate engine).
       params: its ``EngineParams`` (default ``engine.load_params()``).
       host: bind address (default loopback); port: 0 = any free port (see ``self.port``),
         else 1..65535, not shared with another server (``OSError`` when it is busy).
     """
 
-    def __init__(self, engine: TPPOEngine, params: EngineParams | None = None, *,
+    def __init__(self, engine: JetStreamEngine, params: EngineParams | None = None, *,
                  host: str = LOOPBACK_HOST, port: int = 0, threads: int = 16) -> None:
         ensure_port_free(host, port)  # before any thread starts
         engine.strict_insert = False  # a raising insert would kill the server process
@@ -283,7 +285,7 @@ class EngineServer:
                                              name="grpc-loop", daemon=True)
         self._loop_thread.start()
         bind = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        vocab = engine.config.vocab_size
+        vocab = engine.core.config.vocab_size
 
         # A text prompt is measured as the driver will encode it (JetStreamTokenizer.encode).
         encode = lambda text: encode_request_text(engine.tokenizer, text)  # noqa: E731
