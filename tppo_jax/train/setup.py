@@ -25,7 +25,7 @@ from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.data.prompts import prompt_builder
 from tppo_jax.data.readers import MathExample
 from tppo_jax.data.sources import read_source
-from tppo_jax.eval.heldout import evaluate
+from tppo_jax.eval.heldout import EvalEngines, evaluate
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
@@ -100,6 +100,8 @@ class Run:
     # The policy RL started from, for algo.kl_coef > 0 (else None): made before a resume
     # restores the trained params, so a resumed run keeps the same reference
     ref_policy: Any = None
+    # The held-out eval's decode engines: compiled at the first eval, reused by every later one
+    eval_engines: EvalEngines = field(default_factory=EvalEngines)
 
     @property
     def run_dir(self) -> Path:
@@ -292,12 +294,13 @@ def host_meta(meta: dict[str, Any]) -> dict[str, Any]:
 def heldout_eval(run: Run, state: TrainState) -> dict[str, float]:
     """Held-out accuracy: avg@k sampled as in training (the headline) and greedy."""
     cfg, r = run.cfg, run.cfg.rollout
-    kw = dict(max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len)
+    kw = dict(max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len,
+              mesh=run.mesh, engines=run.eval_engines)
     k, tok = cfg.train.eval_samples, run.models.tokenizer
     sampled = evaluate(policy_module(run, state), tok, run.eval_rows, run.encode, run.grader,
-                       k=k, sampling=run.sampling, seed=cfg.train.seed, mesh=run.mesh, **kw)
+                       k=k, sampling=run.sampling, seed=cfg.train.seed, **kw)
     greedy = evaluate(policy_module(run, state), tok, run.eval_rows, run.encode, run.grader,
-                      mesh=run.mesh, **kw)
+                      **kw)
     return {"accuracy": sampled[f"avg@{k}"], "greedy_accuracy": greedy["avg@1"],
             **sampled, **{f"greedy_{n}": v for n, v in greedy.items()}}
 
