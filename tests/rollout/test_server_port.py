@@ -183,7 +183,21 @@ def test_serve_missing_checkpoint_is_one_line(tmp_path, capsys) -> None:
 
     assert main(["serve", "--port", "0", "--checkpoint", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
-    assert err.strip() == f"tppo serve: --checkpoint {tmp_path / 'nope'}: not a directory"
+    assert err.strip() == (f"tppo serve: --checkpoint {tmp_path / 'nope'}: not a directory "
+                           "(nor a Hub id owner/name)")
+
+
+def test_serve_hub_id_not_in_the_offline_cache_is_one_line(tmp_path, monkeypatch,
+                                                           capsys) -> None:
+    from tppo_jax.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["serve", "--port", "0", "--checkpoint", "owner/missing"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tppo serve: --checkpoint owner/missing") and "\n" not in err
+    assert "HF_HUB_OFFLINE" in err
 
 
 # ------------------------------------------------------------------------ prompt lengths

@@ -104,7 +104,9 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
         _, tok, policy, step, tok_file = load_run_policy(run_dir, None)
         return policy, tok, str(tok_file), f"{run_dir} (policy checkpoint of step {step})"
     if ckpt is None and cfg.model.source == "hf" and cfg.model.path:
-        ckpt = Path(cfg.model.path)
+        from tppo_jax.models.hub import resolve_model
+
+        ckpt = Path(resolve_model(cfg.model.path))
     if ckpt is None and (ws := latest_warmstart()) is not None:
         ckpt = ws / "policy"
     if ckpt is not None:
@@ -200,11 +202,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_arg_error(args: argparse.Namespace, host: str) -> str | None:
     """What is wrong with ``serve``'s arguments beyond their types, checked before a model is
-    loaded or compiled: a missing ``--checkpoint`` folder, a busy port."""
+    loaded or compiled: a missing ``--checkpoint`` folder (a Hub id is resolved here), a busy
+    port."""
     from tppo_jax.rollout.server import ensure_port_free
 
     if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
-        return f"--checkpoint {args.checkpoint}: not a directory"
+        from tppo_jax.models.hub import parse_hub_ref, resolve_model
+
+        if parse_hub_ref(args.checkpoint) is None:
+            return f"--checkpoint {args.checkpoint}: not a directory (nor a Hub id owner/name)"
+        try:  # a Hub id: fetched (or found in the HF cache) before anything compiles
+            args.checkpoint = resolve_model(args.checkpoint, "--checkpoint")
+        except ValueError as e:
+            return str(e)
     try:
         ensure_port_free(host, args.port)
     except OSError as e:
