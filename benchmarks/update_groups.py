@@ -82,77 +82,28 @@ def _max_rel_diff(a, b) -> float:
 
 def run(args: argparse.Namespace) -> dict:
     import jax
-    import jax.numpy as jnp
     from flax import nnx
     from tppo_jax.benchmarks.prefill_width import warm_started, write_result
 
     from tppo_jax.models.value import ValueModel
     from tppo_jax.parallel.mesh import make_mesh
-    from tppo_jax.train.batch import batch_arrays, shuffle_keys
-    from tppo_jax.train.shapes import CompileWatch
-    from tppo_jax.train.state import commit_to_mesh
-    from tppo_jax.train.step import StepConfig, make_optimizer
-    from tppo_jax.train.targets import make_targets
-    from tppo_jax.train.update import make_updater, plan_cells
+    from tppo_jax.train.step import make_optimizer
 
     cfg, tok, model, examples, encode = warm_started(args)
     r, L = cfg.rollout, cfg.rollout.max_response_len
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
     pdef, p0 = nnx.split(model)
     vdef, v0 = nnx.split(ValueModel.from_policy(model))
-    p0, v0 = nnx.to_pure_dict(p0), nnx.to_pure_dict(v0)
-    tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim)
-    tx_v = make_optimizer(cfg.optim.value_lr, cfg.optim)
-    copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (the updates donate their inputs)
+    models = (pdef, nnx.to_pure_dict(p0), vdef, nnx.to_pure_dict(v0))
+    txs = (make_optimizer(cfg.optim.policy_lr, cfg.optim),
+           make_optimizer(cfg.optim.value_lr, cfg.optim))
     out: dict = {"config": args.config, "slots": r.slots, "L": L, "steps": args.steps,
                  "cpu": args.cpu_note, "methods": {}}
     for name, window in (("tppo", r.window), ("ppo", L)):
-        scfg = StepConfig(algo=cfg.algo, optim=cfg.optim, window=min(window, L),
-                          temperature=r.temperature if r.temperature > 0 else 1.0)
-        opt_p, opt_v = commit_to_mesh(tx_p.init(p0), mesh), commit_to_mesh(tx_v.init(v0), mesh)
-        fns = (make_targets(vdef, scfg, mesh=mesh, params=v0),
-               make_updater("policy", pdef, tx=tx_p, cfg=scfg, mesh=mesh, params=p0,
-                            opt_state=opt_p),
-               make_updater("value", vdef, tx=tx_v, cfg=scfg, mesh=mesh, params=v0,
-                            opt_state=opt_v))
-        res: dict = {"fullwidth": [], "grouped": [], "width": [], "cells": {"fullwidth": 0,
-                                                                          "grouped": 0},
-                     "targets": {"fullwidth": [], "grouped": []}}
-        diff, timed_compiles = 0.0, 0
         batches = _batches(cfg, tok, model, examples, encode, window, args.steps,
                            args.skip if name == "tppo" else 1)
-        with CompileWatch() as watch:
-            for i, (rb, reward, correct) in enumerate(batches):
-                arrays = batch_arrays(rb, reward, correct, mesh)
-                width = int(arrays["tokens"].shape[1])
-                shuffle = shuffle_keys(cfg, i, r.slots)
-                fin = np.flatnonzero(rb.finished)
-                ends = {}
-                for mode in ("fullwidth", "grouped"):
-                    lengths = rb.total_len if mode == "grouped" else np.full(r.slots, width)
-                    args_ = (arrays, lengths, fin, shuffle)
-                    # Untimed first: it compiles whatever shapes this batch meets.
-                    _update(fns, copy(p0), copy(v0), (copy(opt_p), copy(opt_v)), *args_)
-                    watch.take()
-                    p, v, dt, dt_targets = _update(fns, copy(p0), copy(v0),
-                                                   (copy(opt_p), copy(opt_v)), *args_)
-                    res["targets"][mode].append(dt_targets)
-                    timed_compiles += watch.take()[0]
-                    ends[mode] = (p, v)
-                    res[mode].append(dt)
-                    res["cells"][mode] += plan_cells(fns[1].plan(lengths, width, shuffle))
-                res["width"].append(width)
-                diff = max(diff, _max_rel_diff(ends["grouped"], ends["fullwidth"]))
-        t_full, t_grp = sum(res["fullwidth"]), sum(res["grouped"])
-        summary = {"update_s_median": {m: statistics.median(res[m])
-                                       for m in ("fullwidth", "grouped")},
-                   "update_s_total": {"fullwidth": t_full, "grouped": t_grp},
-                   "speedup": t_full / t_grp, "policy_cells": res["cells"],
-                   "targets_s_median": {m: statistics.median(res["targets"][m])
-                                        for m in ("fullwidth", "grouped")},
-                   "batch_width_median": statistics.median(res["width"]),
-                   "max_rel_weight_diff": diff, "compiles_while_timed": timed_compiles}
-        out["methods"][name] = summary
+        res, diff, timed = _time_method(cfg, models, txs, mesh, min(window, L), batches)
+        out["methods"][name] = summary = _summary(res, diff, timed)
         print(f"{name}: update {summary['update_s_median']['fullwidth']:.2f} s/step (batch "
               f"width) -> {summary['update_s_median']['grouped']:.2f} s/step (row groups), "
               f"{summary['speedup']:.2f}x; policy cells {res['cells']['fullwidth']} -> "
@@ -161,6 +112,71 @@ def run(args: argparse.Namespace) -> dict:
               f"{summary['targets_s_median']['grouped']:.2f} s; max relative weight "
               f"difference {diff:.1e}")
     return write_result(out, args.out, "update_groups.json")
+
+
+def _time_method(cfg, models, txs, mesh, window: int, batches) -> tuple[dict, float, int]:
+    """Every batch's update timed at the batch's full width and in row groups (each
+    compiled untimed first), from the same start; the two ends' largest weight difference."""
+    import jax
+    import jax.numpy as jnp
+
+    from tppo_jax.train.batch import batch_arrays, shuffle_keys
+    from tppo_jax.train.shapes import CompileWatch
+    from tppo_jax.train.state import commit_to_mesh
+    from tppo_jax.train.step import StepConfig
+    from tppo_jax.train.targets import make_targets
+    from tppo_jax.train.update import make_updater, plan_cells
+
+    r = cfg.rollout
+    pdef, p0, vdef, v0 = models
+    tx_p, tx_v = txs
+    copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (the updates donate their inputs)
+    scfg = StepConfig(algo=cfg.algo, optim=cfg.optim, window=window,
+                      temperature=r.temperature if r.temperature > 0 else 1.0)
+    opt_p, opt_v = commit_to_mesh(tx_p.init(p0), mesh), commit_to_mesh(tx_v.init(v0), mesh)
+    fns = (make_targets(vdef, scfg, mesh=mesh, params=v0),
+           make_updater("policy", pdef, tx=tx_p, cfg=scfg, mesh=mesh, params=p0,
+                        opt_state=opt_p),
+           make_updater("value", vdef, tx=tx_v, cfg=scfg, mesh=mesh, params=v0,
+                        opt_state=opt_v))
+    res: dict = {"fullwidth": [], "grouped": [], "width": [],
+                 "cells": {"fullwidth": 0, "grouped": 0},
+                 "targets": {"fullwidth": [], "grouped": []}}
+    diff, timed_compiles = 0.0, 0
+    with CompileWatch() as watch:
+        for i, (rb, reward, correct) in enumerate(batches):
+            arrays = batch_arrays(rb, reward, correct, mesh)
+            width = int(arrays["tokens"].shape[1])
+            shuffle = shuffle_keys(cfg, i, r.slots)
+            fin = np.flatnonzero(rb.finished)
+            ends = {}
+            for mode in ("fullwidth", "grouped"):
+                lengths = rb.total_len if mode == "grouped" else np.full(r.slots, width)
+                args_ = (arrays, lengths, fin, shuffle)
+                # Untimed first: it compiles whatever shapes this batch meets.
+                _update(fns, copy(p0), copy(v0), (copy(opt_p), copy(opt_v)), *args_)
+                watch.take()
+                p, v, dt, dt_targets = _update(fns, copy(p0), copy(v0),
+                                               (copy(opt_p), copy(opt_v)), *args_)
+                res["targets"][mode].append(dt_targets)
+                timed_compiles += watch.take()[0]
+                ends[mode] = (p, v)
+                res[mode].append(dt)
+                res["cells"][mode] += plan_cells(fns[1].plan(lengths, width, shuffle))
+            res["width"].append(width)
+            diff = max(diff, _max_rel_diff(ends["grouped"], ends["fullwidth"]))
+    return res, diff, timed_compiles
+
+
+def _summary(res: dict, diff: float, timed_compiles: int) -> dict:
+    t_full, t_grp = sum(res["fullwidth"]), sum(res["grouped"])
+    return {"update_s_median": {m: statistics.median(res[m]) for m in ("fullwidth", "grouped")},
+            "update_s_total": {"fullwidth": t_full, "grouped": t_grp},
+            "speedup": t_full / t_grp, "policy_cells": res["cells"],
+            "targets_s_median": {m: statistics.median(res["targets"][m])
+                                 for m in ("fullwidth", "grouped")},
+            "batch_width_median": statistics.median(res["width"]),
+            "max_rel_weight_diff": diff, "compiles_while_timed": timed_compiles}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
