@@ -152,10 +152,14 @@ def require_step(ckpt: Checkpointer, step: int) -> None:
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dir", help="run directory to evaluate (its latest checkpoint)")
+    from tppo_jax.cli.eval_benchmark import add_benchmark_args
+
+    p.add_argument("run_dir", metavar="RUN_OR_MODEL",
+                   help="run directory to evaluate (its latest checkpoint); with --benchmark "
+                   "also an HF folder or a Hub model id")
     p.add_argument("--step", type=non_negative_int, default=None,
                    help="checkpoint step (default: latest)")
-    p.add_argument("-k", type=positive_int, default=8,
+    p.add_argument("-k", "--samples", dest="k", type=positive_int, default=8,
                    help="samples per question (avg@k, pass@k)")
     p.add_argument("--temperature", type=non_negative_float, default=1.0)
     p.add_argument("--top-p", type=top_p, default=0.7, help="in (0, 1]")
@@ -163,9 +167,15 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="results JSON (default: RUN_DIR/eval_<step>.json)")
     p.add_argument("--show", type=non_negative_int, default=0, metavar="N",
                    help="also print N held-out prompts with a completion and its grade")
+    add_benchmark_args(p)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from tppo_jax.cli.eval_benchmark import cmd_benchmark, refuse_benchmark_options
+
+    if args.benchmark is not None:
+        return cmd_benchmark(args)
+    refuse_benchmark_options(args)
     from tppo_jax.data.prompts import prompt_builder
     from tppo_jax.eval.heldout import EvalEngines, evaluate
     from tppo_jax.rollout.decode import SamplingParams
@@ -258,8 +268,8 @@ def register(register_fn: Callable) -> None:
     register_fn("data", "tppo data preview: samples and the length histogram", _preview_args,
                 cmd_data_preview)
     register_fn("plot", "PNG charts of one or more runs' metrics", _plot_args, cmd_plot)
-    register_fn("eval", "avg@k / pass@k of a run's policy on the held-out set", _eval_args,
-                cmd_eval)
+    register_fn("eval", "avg@k / pass@k of a run's policy on the held-out set, or of a "
+                "checkpoint / HF model on a benchmark (--benchmark)", _eval_args, cmd_eval)
     register_fn("export", "export a run's policy as Hugging Face safetensors", _export_args,
                 cmd_export)
     register_fn("convert", "convert a GGUF checkpoint to a Hugging Face folder", _convert_args,

@@ -88,21 +88,18 @@ def latest_warmstart(root: Path = Path("runs")) -> Path | None:
 def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
                        ) -> tuple[Any, Any, str, str]:
     """Returns ``(model, tokenizer, tokenizer_path, description)``."""
-    from tppo_jax.models.hf import from_pretrained
-    from tppo_jax.models.tokenizer import Tokenizer
+    from tppo_jax.cli.policy import is_run_dir, load_hf_folder, load_policy
 
     ckpt = Path(checkpoint) if checkpoint else None
     # A run directory (ours: config.yaml + Orbax checkpoints), given or the default run's.
     default_run = Path("runs/default")
-    run_dir = ckpt if ckpt is not None and (ckpt / "config.yaml").exists() else None
-    if ckpt is None and (default_run / "config.yaml").exists() and any(
+    run_dir = ckpt if ckpt is not None and is_run_dir(ckpt) else None
+    if ckpt is None and is_run_dir(default_run) and any(
             p.name.isdigit() for p in (default_run / "checkpoints").glob("*")):
         run_dir = default_run
     if run_dir is not None:
-        from tppo_jax.cli.runs import load_run_policy
-
-        _, tok, policy, step, tok_file = load_run_policy(run_dir, None)
-        return policy, tok, str(tok_file), f"{run_dir} (policy checkpoint of step {step})"
+        got = load_policy(str(run_dir), dtype=cfg.model.dtype)
+        return got.model, got.tokenizer, str(got.tokenizer_file), got.description
     if ckpt is None and cfg.model.source == "hf" and cfg.model.path:
         from tppo_jax.models.hub import resolve_model
 
@@ -110,14 +107,8 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
     if ckpt is None and (ws := latest_warmstart()) is not None:
         ckpt = ws / "policy"
     if ckpt is not None:
-        tok_dir = next((d for d in (ckpt, ckpt.parent) if any(
-            (d / n).exists() for n in ("tokenizer.json", "tokenizer.model"))), None)
-        if tok_dir is None:
-            raise FileNotFoundError(f"no tokenizer.json / tokenizer.model in {ckpt} or its parent")
-        tok = Tokenizer.load(tok_dir)
-        path = tok_dir / ("tokenizer.model" if (tok_dir / "tokenizer.model").exists()
-                          else "tokenizer.json")
-        return from_pretrained(ckpt, dtype=cfg.model.dtype), tok, str(path), str(ckpt)
+        model, tok, tok_file = load_hf_folder(ckpt, cfg.model.dtype)
+        return model, tok, str(tok_file), str(ckpt)
 
     from tppo_jax.data.synthetic import SyntheticMathTask
     from tppo_jax.models.tokenizer import train_sentencepiece
@@ -207,12 +198,10 @@ def _serve_arg_error(args: argparse.Namespace, host: str) -> str | None:
     from tppo_jax.rollout.server import ensure_port_free
 
     if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
-        from tppo_jax.models.hub import parse_hub_ref, resolve_model
+        from tppo_jax.cli.policy import resolve_policy_path
 
-        if parse_hub_ref(args.checkpoint) is None:
-            return f"--checkpoint {args.checkpoint}: not a directory (nor a Hub id owner/name)"
         try:  # a Hub id: fetched (or found in the HF cache) before anything compiles
-            args.checkpoint = resolve_model(args.checkpoint, "--checkpoint")
+            args.checkpoint = str(resolve_policy_path(args.checkpoint, "--checkpoint"))
         except ValueError as e:
             return str(e)
     try:

@@ -12,6 +12,7 @@ per-example results are gathered, so every host returns the same metrics."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -20,10 +21,10 @@ from flax import nnx
 
 from tppo_jax.buckets import bucket_width
 from tppo_jax.data.readers import MathExample
-from tppo_jax.eval.metrics import avg_at_k, pass_at_k_batch
+from tppo_jax.eval.metrics import score
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.rewards.grader import MathGrader
+from tppo_jax.rewards.grader import REASONS, MathGrader
 from tppo_jax.rewards.step_verifier import verify_solution
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.engine import DecodeEngine
@@ -94,41 +95,82 @@ def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[i
     return out
 
 
+@dataclass(frozen=True)
+class GradedSamples:
+    """``k`` graded samples of each of ``N`` examples, every host's, in host order (one
+    host: example order; ``index`` maps rows back to positions in ``examples``).
+
+    ``correct`` / ``reasons``: ``[N, k]``, the grader's verdict and reason (``REASONS``);
+    ``lengths``: ``[N * k]`` response tokens; ``steps_ok``: ``[N * k]`` all steps valid (None
+    when not checked); ``texts``: this host's decoded responses, ``k`` per example.
+    """
+
+    index: np.ndarray
+    correct: np.ndarray
+    reasons: np.ndarray
+    lengths: np.ndarray
+    steps_ok: np.ndarray | None
+    texts: list[str]
+
+
+def decode_and_grade(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathExample],
+                     encode_prompt: Callable[[MathExample], list[int]], grader: MathGrader, *,
+                     max_prompt_len: int, max_response_len: int, k: int = 1,
+                     sampling: SamplingParams | None = None, seed: int = 0, mesh: Any = None,
+                     engines: EvalEngines | None = None, batch_size: int = 64,
+                     check_steps: bool = True) -> GradedSamples:
+    """Decodes ``k`` samples per example (greedy when ``sampling`` is None) and grades them:
+    the one sampling-and-grading path of the held-out eval and the benchmark eval.
+
+    Every host passes the full ``examples``; each decodes and grades its share, and the
+    per-sample results are gathered (see the module docstring). ``check_steps``: also run
+    the sympy step verifier on every response (the held-out eval's step metrics).
+    """
+    sampling = sampling or SamplingParams(greedy=True)
+    index = mh.split_for_host(list(range(len(examples))))
+    mine = [examples[i] for i in index]
+    prompts = [encode_prompt(e) for e in mine for _ in range(k)]
+    responses = generate_answers(model, tok, prompts, max_prompt_len=max_prompt_len,
+                                 max_response_len=max_response_len, sampling=sampling, seed=seed,
+                                 mesh=mesh, engines=engines, batch_size=batch_size)
+    texts = [tok.decode(r) for r in responses]
+    graded = grader.grade(texts, [e.answer for e in mine for _ in range(k)])
+    codes = np.array([REASONS.index(r) for r in graded.reasons], np.int64).reshape(len(mine), k)
+    steps = (mh.gather_rows(np.array([verify_solution(t).all_valid for t in texts], bool))
+             if check_steps else None)
+    return GradedSamples(
+        index=mh.gather_rows(np.array(index, np.int64)),
+        correct=mh.gather_rows(graded.correct.reshape(len(mine), k)),
+        reasons=np.array(REASONS, dtype=object)[mh.gather_rows(codes)],
+        lengths=mh.gather_rows(np.array([len(r) for r in responses], np.int64)),
+        steps_ok=steps, texts=texts)
+
+
 def evaluate(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathExample],
              encode_prompt: Callable[[MathExample], list[int]], grader: MathGrader, *,
              max_prompt_len: int, max_response_len: int, k: int = 1,
              sampling: SamplingParams | None = None, seed: int = 0, mesh: Any = None,
              engines: EvalEngines | None = None) -> dict[str, float]:
-    """Accuracy of ``k`` samples per example: ``avg@k`` (percent) and ``pass@k``.
+    """Accuracy of ``k`` samples per example: ``avg@k`` (percent) and ``pass@k``
+    (``eval.metrics.score``, as the benchmark eval reports them).
 
     Greedy decoding when ``sampling`` is None (then ``k`` must be 1). Every host passes
     the full ``examples``; each decodes and grades its share (see the module docstring).
     ``engines``: as ``generate_answers`` takes it.
     """
-    sampling = sampling or SamplingParams(greedy=True)
-    examples = mh.split_for_host(examples)
-    prompts = [encode_prompt(e) for e in examples for _ in range(k)]
-    responses = generate_answers(model, tok, prompts, max_prompt_len=max_prompt_len,
-                                 max_response_len=max_response_len, sampling=sampling, seed=seed,
-                                 mesh=mesh, engines=engines)
-    texts = [tok.decode(r) for r in responses]
-    answers = [e.answer for e in examples for _ in range(k)]
-    graded = grader.grade(texts, answers)
-    # Per-response results of every host, so all hosts compute the same metrics.
-    correct = mh.gather_rows(graded.correct.reshape(len(examples), k))
-    lengths = mh.gather_rows(np.array([len(r) for r in responses], np.int64))
-    steps_ok = mh.gather_rows(np.array([verify_solution(t).all_valid for t in texts], bool))
-    boxed = mh.gather_rows(np.array([r != "no_answer" for r in graded.reasons], bool))
-    n_examples = correct.shape[0]
+    g = decode_and_grade(model, tok, examples, encode_prompt, grader,
+                         max_prompt_len=max_prompt_len, max_response_len=max_response_len, k=k,
+                         sampling=sampling, seed=seed, mesh=mesh, engines=engines)
+    correct, steps_ok = g.correct, g.steps_ok
+    metrics = score(correct, ks=(k,))
     # k = 1 (greedy): which questions were right ("x") or not ("."), in example order, so two
     # evals of the same questions count the answers that changed (tppo bench learning)
     mask = {"correct_mask": "".join("x" if c else "." for c in correct[:, 0])} if k == 1 else {}
     return {
-        f"avg@{k}": avg_at_k(correct),
-        f"pass@{k}": float(np.mean(pass_at_k_batch(np.full(n_examples, k),
-                                                   correct.sum(axis=1), k)) * 100.0),
-        "response_len_mean": float(lengths.mean()),
-        "boxed_frac": float(boxed.mean()),
+        f"avg@{k}": metrics[f"avg@{k}"],
+        f"pass@{k}": metrics[f"pass@{k}"],
+        "response_len_mean": float(g.lengths.mean()),
+        "boxed_frac": float((g.reasons != "no_answer").reshape(-1).mean()),
         # Step-level checking (sympy verifier): all steps valid; right answer but a bad step.
         "steps_all_valid_frac": float(steps_ok.mean()),
         "right_answer_wrong_steps_frac": float((correct.reshape(-1) & ~steps_ok).mean()),

@@ -63,3 +63,53 @@ def summarize(correct: ArrayLike, ks: tuple[int, ...] = (1, 8, 32)) -> dict[str,
         if k <= n:
             out[f"pass@{k}"] = pass_at_k_from_correct(m, k)
     return out
+
+
+def standard_error(values: ArrayLike) -> float:
+    """Standard error of a mean over questions, in the values' units: the sample standard
+    deviation (``ddof=1``) over ``sqrt(N)``. On 0/1 scores (greedy correctness) this is the
+    binomial ``sqrt(p (1 - p) / (N - 1))``; on per-question avg@n / pass@k it is the
+    "over questions" error that papers' +- columns report. nan for fewer than 2 questions."""
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    if v.size < 2:
+        return float("nan")
+    return float(np.std(v, ddof=1) / np.sqrt(v.size))
+
+
+def pass_ks(n: int) -> tuple[int, ...]:
+    """The k of a pass@k report for ``n`` samples: 1, 2, 4, ... below ``n``, then ``n``."""
+    ks = [1 << i for i in range(max(n, 1).bit_length()) if 1 << i < n]
+    return (*ks, n)
+
+
+def score(correct: ArrayLike, ks: tuple[int, ...] | None = None,
+          reasons: ArrayLike | None = None) -> dict[str, float]:
+    """The eval's metrics from ``N`` questions' graded samples: what the held-out eval and
+    ``tppo eval --benchmark`` both report, so the two never disagree on a definition.
+
+    ``correct``: bool ``[N, n]``. Returns percent values: ``avg@n`` (mean correctness) and,
+    for every ``k`` in ``ks`` (default :func:`pass_ks`), the unbiased ``pass@k`` (mean over
+    questions of ``1 - C(n-c, k) / C(n, k)``), each with its ``_se`` (:func:`standard_error`
+    over questions). With ``reasons`` (the grader's per-sample reason, ``[N, n]``) also the
+    share of samples with no answer found (``no_answer``), a found but wrong answer
+    (``wrong``) and a grading timeout or crash (``grade_error``): a model that stops
+    formatting its answer is told apart from one that answers wrongly.
+    """
+    m = _as_correct_matrix(correct)
+    n_q, n = m.shape
+    c = m.sum(axis=1)
+    out = {f"avg@{n}": avg_at_k(m), f"avg@{n}_se": 100.0 * standard_error(m.mean(axis=1))}
+    for k in pass_ks(n) if ks is None else ks:
+        per_q = pass_at_k_batch(np.full(n_q, n), c, k)
+        out[f"pass@{k}"] = float(np.mean(per_q) * 100.0)
+        out[f"pass@{k}_se"] = 100.0 * standard_error(per_q)
+    if reasons is not None:
+        r = np.asarray(reasons).reshape(m.shape)
+        out["no_answer"] = _percent(r == "no_answer")
+        out["wrong"] = _percent(r == "wrong")
+        out["grade_error"] = _percent((r != "ok") & (r != "no_answer") & (r != "wrong"))
+    return out
+
+
+def _percent(mask: np.ndarray) -> float:
+    return float(100.0 * mask.mean()) if mask.size else float("nan")

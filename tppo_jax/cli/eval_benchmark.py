@@ -1,0 +1,155 @@
+"""``tppo eval --benchmark NAME_OR_SOURCE MODEL``: a run's checkpoint, an HF folder or a Hub
+model id scored on a benchmark's test split (``eval/benchmark.py`` has the protocol).
+
+``tppo eval`` (``cli/runs.py``) adds these options with ``add_benchmark_args`` and hands
+over to ``cmd_benchmark`` when ``--benchmark`` is given; without it, the options that only
+the benchmark eval reads are refused rather than ignored. Everything this module imports
+beyond argparse is imported inside the command, so ``tppo --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import typing
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tppo_jax.cli.args import non_negative_int, positive_int
+from tppo_jax.config_checks import ConfigError
+from tppo_jax.data.formats import Format
+
+if TYPE_CHECKING:
+    from tppo_jax.cli.policy import LoadedPolicy
+    from tppo_jax.config import Config
+    from tppo_jax.eval.benchmark import Benchmark
+
+# The options only the benchmark eval reads (dest names), each None unless given.
+BENCHMARK_ONLY = ("format", "split", "limit", "max_tokens", "batch_size", "seed", "config")
+DEFAULT_BATCH = 64
+RESULTS_DIR = Path("results-eval")  # where a model that is no run directory's results go
+AT_MAX_WARN = 10.0  # percent of greedy answers cut at --max-tokens worth a warning
+
+
+def add_benchmark_args(p: argparse.ArgumentParser) -> None:
+    """``--benchmark`` and the options of the benchmark eval."""
+    g = p.add_argument_group("benchmark eval", "score MODEL (a run directory, an HF folder or "
+                             "a Hub model id) on a benchmark's test split: greedy accuracy, "
+                             "avg@k and unbiased pass@k over -k samples")
+    g.add_argument("--benchmark", default=None, metavar="NAME_OR_SOURCE",
+                   help="gsm8k, math500, aime24, or a .jsonl / .parquet file, dataset folder "
+                   "or Hub dataset id (then --format)")
+    g.add_argument("--format", choices=typing.get_args(Format), default=None,
+                   help="row format of a benchmark file or Hub id (AIME-style problem/answer: "
+                   "math)")
+    g.add_argument("--split", default=None, help="split of a Hub dataset (default: test)")
+    g.add_argument("--limit", type=positive_int, default=None, metavar="N",
+                   help="the first N questions only (a quick look)")
+    g.add_argument("--max-tokens", type=positive_int, default=None,
+                   help="response length (default: the config's rollout.max_response_len)")
+    g.add_argument("--batch-size", type=positive_int, default=None,
+                   help=f"decode slots (default {DEFAULT_BATCH})")
+    g.add_argument("--seed", type=non_negative_int, default=None, help="sampling seed (0)")
+    g.add_argument("--config", default=None,
+                   help="for an HF folder / Hub id: the config whose prompt and reward "
+                   "settings apply (default: the embedded default)")
+
+
+def refuse_benchmark_options(args: argparse.Namespace) -> None:
+    """A held-out eval given options only ``--benchmark`` reads: one line, not silence."""
+    given = [f"--{d.replace('_', '-')}" for d in BENCHMARK_ONLY if getattr(args, d) is not None]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: only with --benchmark (the held-out eval "
+                          f"reads the run's own config)")
+
+
+def cmd_benchmark(args: argparse.Namespace) -> int:
+    """Reads the benchmark and the model (cheap checks first), runs the protocol, prints
+    the table and writes the JSON report."""
+    from tppo_jax.cli.policy import is_run_dir, load_policy, resolve_policy_path
+    from tppo_jax.eval.benchmark import load_questions, resolve_benchmark
+
+    if args.show:
+        raise ConfigError("--show: only for the held-out eval, not with --benchmark")
+    bench = resolve_benchmark(args.benchmark, args.format, args.split)
+    path = resolve_policy_path(args.run_dir, "model")
+    base = None
+    if is_run_dir(path):
+        if args.config is not None:
+            raise ConfigError(f"--config: {args.run_dir} is a run directory; it is evaluated "
+                              f"with its own config.yaml")
+    else:
+        from tppo_jax.config import load_config
+
+        base = load_config(args.config)
+    rows = load_questions(bench, args.limit)
+    print(f"{bench.name}: {len(rows)} questions from {bench.describe()}", file=sys.stderr)
+    policy = load_policy(str(path), dtype=base.model.dtype if base else "float32",
+                         step=args.step, flag="model")
+    policy = replace(policy, ref=args.run_dir)  # a Hub id as written, not its cache path
+    report = _evaluate(args, bench, rows, policy, _benchmark_config(policy, base, bench))
+    out = Path(args.out) if args.out else default_out(policy, bench, args.limit)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    from tppo_jax.eval.benchmark import format_table
+
+    print(format_table(report))
+    at_max = report["metrics"]["greedy_at_max_tokens"]
+    if at_max is not None and at_max > AT_MAX_WARN:
+        print(f"warning: {at_max:.0f}% of greedy answers ran to --max-tokens "
+              f"{report['protocol']['max_tokens']} (cut off); raise it", file=sys.stderr)
+    print(f"wrote {out}")
+    return 0
+
+
+def _benchmark_config(policy: LoadedPolicy, base: Config | None, bench: Benchmark) -> Config:
+    """The config prompts and grading are built from: the run's own (a run directory) or
+    ``--config`` with this HF model; its data section naming the benchmark, so the prompt
+    template and the answer format (``reward.answer_format: auto``) follow its row format."""
+    cfg = policy.cfg
+    if cfg is None:
+        assert base is not None
+        cfg = replace(base, model=replace(base.model, source="hf", path=policy.ref))
+    data = replace(cfg.data, source=bench.source, format=bench.format, split=bench.split,
+                   hf_config=bench.hf_config, hf_revision=bench.hf_revision,
+                   fields=dict(bench.fields))
+    return replace(cfg, data=data)
+
+
+def _evaluate(args: argparse.Namespace, bench: Benchmark, rows: list, policy: LoadedPolicy,
+              cfg: Config) -> dict[str, Any]:
+    """Runs the protocol with the training prompt builder and grader; the report dict."""
+    from tppo_jax.data.prompts import prompt_builder
+    from tppo_jax.eval.benchmark import Protocol, build_report, run_benchmark
+    from tppo_jax.rewards.grader import answer_format_for
+    from tppo_jax.train.setup import make_grader
+
+    tok = policy.tokenizer
+    prompts = prompt_builder(cfg, tok)
+    answer_format = answer_format_for(bench.format, cfg.reward.answer_format)
+    protocol = Protocol(samples=0 if args.greedy else args.k, temperature=args.temperature,
+                        top_p=args.top_p,
+                        max_tokens=args.max_tokens or cfg.rollout.max_response_len,
+                        seed=args.seed or 0, batch_size=args.batch_size or DEFAULT_BATCH)
+    with make_grader(cfg) as grader:
+        result = run_benchmark(policy.model, tok, rows, lambda e: prompts.ids(e, tok), grader,
+                               answer_format, protocol)
+    style = ("short (tiny model)" if prompts.short else
+             "chat template" if prompts.chat_template is not None else "plain")
+    prompt = {"style": style, "user_template": prompts.template,
+              "system_prompt": prompts.system_prompt}
+    model = {"ref": policy.ref, "description": policy.description, "step": policy.step}
+    return build_report(bench, model, protocol, answer_format, prompt, args.limit, result)
+
+
+def default_out(policy: LoadedPolicy, bench: Benchmark, limit: int | None) -> Path:
+    """``RUN/bench_<name>_<step>.json`` for a run's checkpoint, else
+    ``results-eval/<model>/<name>.json`` (a Hub id's ``/`` as ``--``); a ``--limit`` look
+    gets its own file, never overwriting a full eval."""
+    name = bench.name + (f"-limit{limit}" if limit else "")
+    if policy.cfg is not None:
+        return Path(policy.ref) / f"bench_{name}_{policy.step}.json"
+    local = Path(policy.ref)
+    model = local.resolve().name if local.is_dir() else policy.ref.replace("/", "--")
+    return RESULTS_DIR / model / f"{name}.json"
