@@ -9,9 +9,9 @@ beyond argparse is imported inside the command, so ``tppo --help`` stays fast.""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import typing
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +36,9 @@ def add_benchmark_args(p: argparse.ArgumentParser) -> None:
     """``--benchmark`` and the options of the benchmark eval."""
     g = p.add_argument_group("benchmark eval", "score MODEL (a run directory, an HF folder or "
                              "a Hub model id) on a benchmark's test split: greedy accuracy, "
-                             "avg@k and unbiased pass@k over -k samples")
+                             "avg@k and unbiased pass@k over -k samples (--greedy: the "
+                             "greedy answers only); --out defaults to RUN/bench_<name>_<step>"
+                             ".json or results-eval/<model>/<name>.json (docs/eval.md)")
     g.add_argument("--benchmark", default=None, metavar="NAME_OR_SOURCE",
                    help="gsm8k, math500, aime24, or a .jsonl / .parquet file, dataset folder "
                    "or Hub dataset id (then --format)")
@@ -64,9 +66,11 @@ def refuse_benchmark_options(args: argparse.Namespace) -> None:
                           f"reads the run's own config)")
 
 
-def cmd_benchmark(args: argparse.Namespace) -> int:
+def cmd_benchmark(args: argparse.Namespace, load_run: Callable[[Path, int | None], tuple]
+                  ) -> int:
     """Reads the benchmark and the model (cheap checks first), runs the protocol, prints
-    the table and writes the JSON report."""
+    the table and writes the JSON report. ``load_run``: ``cli.runs.load_run_policy`` (passed
+    in by ``tppo eval``: this module never imports the command module that registers it)."""
     from tppo_jax.cli.policy import is_run_dir, load_policy, resolve_policy_path
     from tppo_jax.eval.benchmark import load_questions, resolve_benchmark
 
@@ -86,13 +90,14 @@ def cmd_benchmark(args: argparse.Namespace) -> int:
     rows = load_questions(bench, args.limit)
     print(f"{bench.name}: {len(rows)} questions from {bench.describe()}", file=sys.stderr)
     policy = load_policy(str(path), dtype=base.model.dtype if base else "float32",
-                         step=args.step, flag="model")
+                         load_run=load_run, step=args.step, flag="model")
     policy = replace(policy, ref=args.run_dir)  # a Hub id as written, not its cache path
     report = _evaluate(args, bench, rows, policy, _benchmark_config(policy, base, bench))
     out = Path(args.out) if args.out else default_out(policy, bench, args.limit)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    from tppo_jax.eval.benchmark import format_table
+    from tppo_jax.eval.benchmark import format_table, report_json
+
+    out.write_text(report_json(report))
 
     print(format_table(report))
     at_max = report["metrics"]["greedy_at_max_tokens"]

@@ -8,6 +8,7 @@ name the same way and fail on it with the same one line."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,16 +75,17 @@ def load_hf_folder(folder: Path, dtype: str) -> tuple[Any, Tokenizer, Path]:
     return from_pretrained(folder, dtype=dtype), Tokenizer.load(tok_dir), tok_file
 
 
-def load_policy(ref: str, *, dtype: str, step: int | None = None,
-                flag: str = "--checkpoint") -> LoadedPolicy:
+def load_policy(ref: str, *, dtype: str, load_run: Callable[[Path, int | None], tuple],
+                step: int | None = None, flag: str = "--checkpoint") -> LoadedPolicy:
     """The policy ``ref`` names (see the module docstring); ``step``: a run's checkpoint
     (default: its newest good one), refused for an HF folder. Unreadable model files are
-    one ``ConfigError`` line."""
+    one ``ConfigError`` line.
+
+    ``load_run``: ``cli.runs.load_run_policy``, passed in by the caller so this module,
+    which the ``runs`` commands use, never imports them back."""
     path = resolve_policy_path(ref, flag)
     if is_run_dir(path):
-        from tppo_jax.cli.runs import load_run_policy
-
-        cfg, tok, policy, got, tok_file = load_run_policy(path, step)
+        cfg, tok, policy, got, tok_file = load_run(path, step)
         return LoadedPolicy(policy, tok, Path(tok_file),
                             f"{path} (policy checkpoint of step {got})", ref, cfg, got)
     if step is not None:

@@ -174,7 +174,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tppo_jax.cli.eval_benchmark import cmd_benchmark, refuse_benchmark_options
 
     if args.benchmark is not None:
-        return cmd_benchmark(args)
+        return cmd_benchmark(args, load_run_policy)
     refuse_benchmark_options(args)
     from tppo_jax.data.prompts import prompt_builder
     from tppo_jax.eval.heldout import EvalEngines, evaluate

@@ -98,7 +98,9 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
             p.name.isdigit() for p in (default_run / "checkpoints").glob("*")):
         run_dir = default_run
     if run_dir is not None:
-        got = load_policy(str(run_dir), dtype=cfg.model.dtype)
+        from tppo_jax.cli.runs import load_run_policy
+
+        got = load_policy(str(run_dir), dtype=cfg.model.dtype, load_run=load_run_policy)
         return got.model, got.tokenizer, str(got.tokenizer_file), got.description
     if ckpt is None and cfg.model.source == "hf" and cfg.model.path:
         from tppo_jax.models.hub import resolve_model

@@ -18,6 +18,7 @@ question by question.
 
 from __future__ import annotations
 
+import json
 import math
 import typing
 from dataclasses import dataclass, replace
@@ -239,7 +240,8 @@ def build_report(bench: Benchmark, model: dict[str, Any], protocol: Protocol,
     the per-question results."""
     return {
         "benchmark": {"name": bench.name, "source": bench.source, "config": bench.hf_config,
-                      "split": bench.split, "revision": bench.hf_revision,
+                      "split": None if Path(bench.source).is_file() else bench.split,
+                      "revision": bench.hf_revision,
                       "format": bench.format, "described": bench.describe()},
         "model": model,
         "protocol": {"samples": protocol.samples, "temperature": protocol.temperature,
@@ -250,3 +252,11 @@ def build_report(bench: Benchmark, model: dict[str, Any], protocol: Protocol,
         "metrics": result["metrics"],
         "per_question": result["per_question"],
     }
+
+
+def report_json(report: dict[str, Any]) -> str:
+    """``report`` as JSON text, one line per question: a large benchmark's file stays
+    readable, and two checkpoints' files diff question by question."""
+    head = {key: v for key, v in report.items() if key != "per_question"}
+    rows = ",\n".join(f"  {json.dumps(q)}" for q in report["per_question"])
+    return f'{json.dumps(head, indent=1)[:-2]},\n "per_question": [\n{rows}\n ]\n}}\n'
