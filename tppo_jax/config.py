@@ -47,6 +47,12 @@ class ModelSettings:
     remat: bool = False  # hf/gguf: recompute layers in the backward pass (less memory)
     value_init: Literal["policy", "path", "random"] = "policy"
     value_path: str | None = None
+    # LoRA (models/lora.py, docs/models.md): rank of the adapters trained in place of the
+    # weights, 0 = off. The base stays frozen: no gradient, no AdamW state, not checkpointed.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # each adapter's output is scaled by lora_alpha / lora_rank
+    lora_targets: str = "q,k,v,o,gate,up,down"  # the projections that get adapters
+    value_lora: bool = True  # LoRA on: the critic trains adapters (+ its head), not all weights
 
 
 @dataclass(frozen=True)

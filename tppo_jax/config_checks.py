@@ -96,7 +96,8 @@ MESH_AXIS = Range(1, special=(-1,), meaning="the devices left over")
 RANGES: dict[str, Range] = {
     "model.hidden_size": POSITIVE, "model.intermediate_size": POSITIVE,
     "model.num_layers": POSITIVE, "model.num_heads": POSITIVE, "model.num_kv_heads": POSITIVE,
-    "model.max_seq_len": POSITIVE,
+    "model.max_seq_len": POSITIVE, "model.lora_rank": NON_NEGATIVE,  # 0 = no LoRA
+    "model.lora_alpha": POSITIVE,
     "rollout.prompts_per_step": POSITIVE, "rollout.group_size": POSITIVE,
     "rollout.max_prompt_len": POSITIVE, "rollout.max_response_len": POSITIVE,
     "rollout.window": POSITIVE, "rollout.temperature": NON_NEGATIVE,
@@ -146,8 +147,25 @@ FREE_TEXT = frozenset({
     "model.path", "model.value_path", "data.source", "data.fields", "data.prompt_template",
     "data.system_prompt", "checkpoint.dir", "train.compile_cache",
     "data.hf_config", "data.split", "data.hf_revision",  # the names' shape: _check_hub_names
+    "model.lora_targets",  # projection names: parse_lora_targets
     "logging.wandb_project", "logging.wandb_name", "logging.wandb_entity",  # wandb's to judge
 })
+
+
+# The projections a LoRA adapter may target (models/transformer.py PROJECTIONS' names).
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def parse_lora_targets(text: str) -> tuple[str, ...]:
+    """``model.lora_targets`` ("q,v" or "q, k, v, o, gate, up, down") as projection names in
+    the model's order, each once; ``ConfigError`` naming an unknown one, or none given."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in LORA_TARGETS]
+    if unknown or not names:
+        what = f"unknown projection {quote(unknown[0])}" if unknown else "no projection named"
+        raise ConfigError(f"model.lora_targets: {what}; a comma-separated list of "
+                          f"{', '.join(LORA_TARGETS)}")
+    return tuple(t for t in LORA_TARGETS if t in names)
 
 
 def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1) -> None:
@@ -229,6 +247,7 @@ def _check_data_and_model(cfg: Config) -> None:
     if pt is not None and "{question}" not in pt:
         raise ConfigError(f"data.prompt_template must contain {{question}}, got {quote(pt)}")
     m = cfg.model
+    parse_lora_targets(m.lora_targets)
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_heads ({m.num_heads}) must be a multiple of "
                           f"model.num_kv_heads ({m.num_kv_heads})")
