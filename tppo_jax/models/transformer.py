@@ -31,6 +31,15 @@ from tppo_jax.parallel.mesh import named_sharding
 # ModelConfig.remat_policy -> jax.checkpoint policy (None = save nothing but the inputs).
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
+# Every weight projection: name -> (the DecoderLayer attribute that owns it, its einsum
+# "activations,weight->out"). ``project`` runs them; ``models/lora.py`` derives each LoRA
+# adapter's shapes and einsums from the same strings.
+PROJECTIONS: dict[str, tuple[str, str]] = {
+    "q": ("attn", "bth,hnd->btnd"), "k": ("attn", "bth,hnd->btnd"),
+    "v": ("attn", "bth,hnd->btnd"), "o": ("attn", "btnd,ndh->bth"),
+    "gate": ("mlp", "bth,hi->bti"), "up": ("mlp", "bth,hi->bti"), "down": ("mlp", "bti,ih->bth"),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -146,6 +155,17 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
+def project(module: nnx.Module, name: str, x: jax.Array) -> jax.Array:
+    """``x`` through ``module``'s weight ``name`` (einsum ``PROJECTIONS[name]``), plus the
+    weight's LoRA update when ``module.lora`` holds an adapter for it (``models/lora.py``).
+    Every forward (training, prefill, decode) goes through here, so adapters apply to all."""
+    y = jnp.einsum(PROJECTIONS[name][1], x, getattr(module, name)[...])
+    adapters = module.lora
+    if adapters is not None and name in adapters:
+        y = y + adapters[name](x).astype(y.dtype)
+    return y
+
+
 class RMSNorm(nnx.Module):
     """``x * rsqrt(mean(x^2) + eps) * scale``, statistics in float32."""
 
@@ -163,6 +183,8 @@ class RMSNorm(nnx.Module):
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE and optional q/k/v bias."""
 
+    lora: nnx.Dict | None = None  # name -> LoRA adapter, set by models/lora.add_lora
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         h, hq, hkv, d, dt = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.jnp_dtype)
@@ -177,9 +199,7 @@ class Attention(nnx.Module):
             self.v_bias = _param(rngs, (hkv, d), ("kv_heads", "head_dim"), dt, "zeros")
 
     def _qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
-        q = jnp.einsum("bth,hnd->btnd", x, self.q[...])
-        k = jnp.einsum("bth,hnd->btnd", x, self.k[...])
-        v = jnp.einsum("bth,hnd->btnd", x, self.v[...])
+        q, k, v = project(self, "q", x), project(self, "k", x), project(self, "v", x)
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
@@ -188,18 +208,20 @@ class Attention(nnx.Module):
                  inv_freq: jax.Array) -> jax.Array:
         """``x [B, T, H]``, ``mask [B, T, T]`` -> ``[B, T, H]``."""
         q, k, v = self._qkv(x, positions, inv_freq)
-        return jnp.einsum("btnd,ndh->bth", gqa_attention(q, k, v, mask), self.o[...])
+        return project(self, "o", gqa_attention(q, k, v, mask))
 
     def with_cache(self, x: jax.Array, positions: jax.Array, valid: jax.Array,
                    inv_freq: jax.Array, cache: KVCache, layer_idx: int):
         """Cached variant: the cache stores k/v and does the attention."""
         q, k, v = self._qkv(x, positions, inv_freq)
         out, cache = cache.update_and_attend(layer_idx, q, k, v, positions, valid)
-        return jnp.einsum("btnd,ndh->bth", out, self.o[...]), cache
+        return project(self, "o", out), cache
 
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate x) * up x)``."""
+
+    lora: nnx.Dict | None = None  # name -> LoRA adapter, set by models/lora.add_lora
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         h, i, dt = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_dtype
@@ -208,9 +230,8 @@ class MLP(nnx.Module):
         self.down = _param(rngs, (i, h), ("mlp", "embed"), dt)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        g = jnp.einsum("bth,hi->bti", x, self.gate[...])
-        u = jnp.einsum("bth,hi->bti", x, self.up[...])
-        return jnp.einsum("bti,ih->bth", jax.nn.silu(g) * u, self.down[...])
+        g, u = project(self, "gate", x), project(self, "up", x)
+        return project(self, "down", jax.nn.silu(g) * u)
 
 
 class DecoderLayer(nnx.Module):

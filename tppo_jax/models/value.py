@@ -2,7 +2,9 @@
 
 ``values[b, t]`` is V(s_t) read at the position whose hidden state *predicts* token t+1,
 i.e. the same indexing as the policy's logits (docs/algorithm.md section 1). The critic never shares
-parameters (or buffers) with the policy: ``from_policy`` copies the backbone arrays.
+parameters (or buffers) with the policy: ``from_policy`` copies the backbone arrays -- except
+under LoRA, where both bases are frozen and one copy serves both (``copy=False``,
+``train/trainable.py``).
 """
 
 from __future__ import annotations
@@ -33,16 +35,19 @@ class ValueModel(nnx.Module):
                                    eager_sharding=False)
 
     @classmethod
-    def from_policy(cls, policy: Transformer, *, seed: int = 0,
-                    head_init_std: float = 0.0) -> ValueModel:
-        """Critic initialised from a policy's backbone (weights copied, same shardings)."""
+    def from_policy(cls, policy: Transformer, *, seed: int = 0, head_init_std: float = 0.0,
+                    copy: bool = True) -> ValueModel:
+        """Critic initialised from a policy's backbone (weights copied, same shardings;
+        ``copy=False``: the policy's own arrays, for a frozen LoRA base)."""
         cfg = policy.config
         abstract = nnx.eval_shape(
             lambda: cls(cfg, rngs=nnx.Rngs(seed), head_init_std=head_init_std))
         model = nnx.merge(*nnx.split(abstract))
         # `.copy()` gives new buffers (same sharding) so donating the policy's params in a
         # jitted update can never invalidate the critic's.
-        backbone_state = jax.tree.map(lambda x: x.copy(), nnx.state(policy.backbone))
+        backbone_state = nnx.state(policy.backbone)
+        if copy:
+            backbone_state = jax.tree.map(lambda x: x.copy(), backbone_state)
         nnx.update(model.backbone, backbone_state)
         head = head_init_std * jax.random.normal(jax.random.key(seed), (cfg.hidden_size,))
         model.head.set_value(jnp.asarray(head, jnp.float32))
