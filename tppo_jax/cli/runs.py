@@ -117,6 +117,11 @@ def load_run_policy(run_dir: Path, step: int | None):
     try:
         if step is not None:
             require_step(ckpt, step)
+        if cfg.model.lora_rank:  # adapters-only checkpoints: the base as the run started it
+            from tppo_jax.train.lora_checkpoint import restore_lora_policy
+
+            tok, policy, got, tok_file = restore_lora_policy(cfg, run_dir, ckpt, step)
+            return cfg, tok, policy, got or 0, tok_file  # adapters merged: a plain model
         files = run_model_files(run_dir, (RUN_SUBDIR, MODEL_SUBDIR))
         if files is not None and (step is not None or ckpt.latest_step() is not None):
             pdef, template = abstract_policy(files[0], cfg.model.dtype)

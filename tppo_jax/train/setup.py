@@ -26,6 +26,7 @@ from tppo_jax.data.prompts import prompt_builder
 from tppo_jax.data.readers import MathExample
 from tppo_jax.data.sources import read_source
 from tppo_jax.eval.heldout import EvalEngines, evaluate
+from tppo_jax.models.lora import add_lora, lora_spec
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
@@ -47,6 +48,14 @@ from tppo_jax.train.shapes import CompileWatch, enable_compile_cache
 from tppo_jax.train.state import TrainState, commit_to_mesh
 from tppo_jax.train.step import StepConfig, make_optimizer
 from tppo_jax.train.targets import Targets, make_targets
+from tppo_jax.train.trainable import (
+    saved_items,
+    share_base,
+    shares_base,
+    trainable_keys,
+    trained_part,
+    with_frozen,
+)
 from tppo_jax.train.update import Updater, make_updater
 from tppo_jax.train.wandb_log import wandb_settings
 from tppo_jax.train.warmstart import RUN_SUBDIR, run_warmstart, synthetic_task
@@ -150,11 +159,14 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
               ckpt, progress)
     tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim)
     tx_v = make_optimizer(cfg.optim.value_lr, cfg.optim, cfg.optim.critic_epochs)
+    keep_p, keep_v = trainable_keys(cfg)  # LoRA: AdamW states for the adapters alone
     state = TrainState(models.policy, models.value,
-                       commit_to_mesh(tx_p.init(models.policy), mesh),
-                       commit_to_mesh(tx_v.init(models.value), mesh))
+                       commit_to_mesh(tx_p.init(trained_part(models.policy, keep_p)), mesh),
+                       commit_to_mesh(tx_v.init(trained_part(models.value, keep_v)), mesh))
     models.policy = models.value = None  # the params live in TrainState: no second copy
-    run.ref_policy = reference_copy(state.policy) if cfg.algo.kl_coef > 0 else None
+    # LoRA: the reference is the frozen base (adapters zeroed inside the loss): no copy
+    copy_ref = cfg.algo.kl_coef > 0 and keep_p is None
+    run.ref_policy = reference_copy(state.policy) if copy_ref else None
     run.sched = make_scheduler(run, state)
     if resume:
         state = restore(run, state)
@@ -224,14 +236,16 @@ def build_steps(run: Run, state: TrainState, tx_p: Any, tx_v: Any) -> Steps:
     """The jitted steps, with the params' and optimizer states' shardings declared in and out
     (``state``'s placement), and the compile watch over them."""
     r, m, mesh = run.cfg.rollout, run.models, run.mesh
+    keep_p, keep_v = trainable_keys(run.cfg)
     scfg = StepConfig(algo=run.cfg.algo, optim=run.cfg.optim,
                       window=min(r.window, r.max_response_len),
                       temperature=r.temperature if r.temperature > 0 else 1.0)
     targets_fn = make_targets(m.value_def, scfg, mesh=mesh, params=state.value)
     policy_fn = make_updater("policy", m.policy_def, tx=tx_p, cfg=scfg, mesh=mesh,
-                             params=state.policy, opt_state=state.policy_opt)
+                             params=state.policy, opt_state=state.policy_opt,
+                             trainable=keep_p)
     value_fn = make_updater("value", m.value_def, tx=tx_v, cfg=scfg, mesh=mesh,
-                            params=state.value, opt_state=state.value_opt)
+                            params=state.value, opt_state=state.value_opt, trainable=keep_v)
     # The critic's forward and a gradient compile once per row-group shape (rows x width
     # bucket); the rest once.
     watch = CompileWatch({"rollout_targets": targets_fn.values, "policy_update": policy_fn.grads,
@@ -249,8 +263,9 @@ def policy_module(run: Run, state: TrainState) -> nnx.Module:
 
 
 def checkpoint_trees(run: Run, state: TrainState) -> dict[str, Any]:
-    """Every tree a checkpoint holds, by item name (also the templates a restore reads into)."""
-    return {**state.items(), **run.sched.checkpoint_items()}
+    """Every tree a checkpoint holds, by item name (also the templates a restore reads into);
+    with LoRA the models' items hold only what trains (``train/trainable.py``)."""
+    return {**saved_items(state.items(), run.cfg), **run.sched.checkpoint_items()}
 
 
 def checkpoint_meta(run: Run, step: int) -> dict[str, Any]:
@@ -268,7 +283,8 @@ def restore(run: Run, state: TrainState) -> TrainState:
         return state
     _, trees, meta = restored
     run.start = int(meta["step"])
-    state = TrainState.from_items(trees, run.start, run.mesh)
+    state = TrainState.from_items(with_frozen(trees, state.items(), run.cfg), run.start,
+                                  run.mesh)
     host = host_meta(meta)
     run.pipeline.load_state_json(host["data_state"])
     run.sched.restore(trees, host["scheduler"])
@@ -319,42 +335,65 @@ def eval_before(run: Run, state: TrainState) -> dict[str, Any]:
 
 
 def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models:
-    """Tiny default: warm-started (the run dir's own copy, else the cache in its parent).
-    HF: loaded from disk. GGUF: converted once to an HF folder (cached in the run dir's
-    parent), then as HF."""
-    if cfg.model.source == "tiny":
-        tok, policy, folder = run_warmstart(cfg, run_dir, progress=progress, mesh=mesh)
-        tok_file = folder / "tokenizer.model"
-    else:
-        from tppo_jax.models.hf import from_pretrained
-
-        path = model_folder(cfg, run_dir.parent)
-        tok_file = next((p for p in (path / "tokenizer.json", path / "tokenizer.model")
-                         if p.exists()), None)
-        if tok_file is None:
-            raise ConfigError(f"model.path {path}: no tokenizer.json or tokenizer.model found")
-        tok = Tokenizer.load(tok_file)
-        policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh,  # straight to shards
-                                 remat=cfg.model.remat)
-        if mh.is_primary():  # the run's checkpoints then restore without model.path
-            record_model(run_dir, path / "config.json", tok_file)
-    if cfg.model.value_init == "path":
-        from tppo_jax.models.hf import from_pretrained
-        from tppo_jax.models.hub import resolve_model
-
-        value_folder = resolve_model(cfg.model.value_path or "", "model.value_path")
-        critic = ValueModel.from_policy(from_pretrained(value_folder, dtype=cfg.model.dtype,
-                                                        mesh=mesh, remat=cfg.model.remat))
-    elif cfg.model.value_init == "random":
-        critic = ValueModel(policy.config, rngs=nnx.Rngs(cfg.train.seed + 1))
-    else:
-        critic = ValueModel.from_policy(policy, seed=cfg.train.seed)
+    """The tokenizer, the policy (``load_policy``) and the critic (``model.value_init``);
+    with ``model.lora_rank > 0`` each gets fresh adapters (the critic when
+    ``model.value_lora``); then every param is placed on ``mesh``."""
+    tok, policy, tok_file = load_policy(cfg, run_dir, progress, mesh)
+    critic = load_critic(cfg, policy, mesh)  # from the plain policy: before its adapters
+    spec = lora_spec(cfg.model)
+    if spec is not None:
+        add_lora(policy, spec, seed=cfg.train.seed)
+        if cfg.model.value_lora:
+            add_lora(critic, spec, seed=cfg.train.seed + 1)
     if mesh is not None:  # params carry their named shardings from here on
         shard_model(policy, mesh)
         shard_model(critic, mesh)
     pdef, pstate = nnx.split(policy)
     vdef, vstate = nnx.split(critic)
-    return Models(tok, pdef, nnx.to_pure_dict(pstate), vdef, nnx.to_pure_dict(vstate), tok_file)
+    pparams, vparams = nnx.to_pure_dict(pstate), nnx.to_pure_dict(vstate)
+    if shares_base(cfg):  # one frozen base for both models
+        vparams = share_base(pparams, vparams)
+    return Models(tok, pdef, pparams, vdef, vparams, tok_file)
+
+
+def load_policy(cfg: Config, run_dir: Path, progress: bool, mesh=None
+                ) -> tuple[Tokenizer, Any, Path]:
+    """``(tokenizer, policy, tokenizer file)`` of the run's starting model, without adapters.
+    Tiny default: warm-started (the run dir's own copy, else the cache in its parent).
+    HF: loaded from disk. GGUF: converted once to an HF folder (cached in the run dir's
+    parent), then as HF."""
+    if cfg.model.source == "tiny":
+        tok, policy, folder = run_warmstart(cfg, run_dir, progress=progress, mesh=mesh)
+        return tok, policy, folder / "tokenizer.model"
+    from tppo_jax.models.hf import from_pretrained
+
+    path = model_folder(cfg, run_dir.parent)
+    tok_file = next((p for p in (path / "tokenizer.json", path / "tokenizer.model")
+                     if p.exists()), None)
+    if tok_file is None:
+        raise ConfigError(f"model.path {path}: no tokenizer.json or tokenizer.model found")
+    tok = Tokenizer.load(tok_file)
+    policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh,  # straight to shards
+                             remat=cfg.model.remat)
+    if mh.is_primary():  # the run's checkpoints then restore without model.path
+        record_model(run_dir, path / "config.json", tok_file)
+    return tok, policy, tok_file
+
+
+def load_critic(cfg: Config, policy: Any, mesh=None) -> ValueModel:
+    """The critic as ``model.value_init`` says: from ``policy``'s backbone (copied), from
+    ``model.value_path``, or random."""
+    if cfg.model.value_init == "path":
+        from tppo_jax.models.hf import from_pretrained
+        from tppo_jax.models.hub import resolve_model
+
+        value_folder = resolve_model(cfg.model.value_path or "", "model.value_path")
+        return ValueModel.from_policy(from_pretrained(value_folder, dtype=cfg.model.dtype,
+                                                      mesh=mesh, remat=cfg.model.remat))
+    if cfg.model.value_init == "random":
+        return ValueModel(policy.config, rngs=nnx.Rngs(cfg.train.seed + 1))
+    # Sharing the (frozen) base: no transient copy of it either
+    return ValueModel.from_policy(policy, seed=cfg.train.seed, copy=not shares_base(cfg))
 
 
 def model_folder(cfg: Config, cache_root: Path) -> Path:

@@ -24,6 +24,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tppo_jax import algo
+from tppo_jax.models.lora import join_params, split_trainable
 from tppo_jax.train.step import (
     StepConfig,
     batch_spec,
@@ -87,6 +88,17 @@ def group_grads(loss_fn: Callable, params: Any, mb: dict[str, jax.Array],
     return dict(stats, loss=loss), grads
 
 
+def lora_loss(loss_fn: Callable, base_ref: bool, train: Any, mb: dict[str, jax.Array],
+              denoms: dict[str, jax.Array], frozen: Any, *ref: Any):
+    """``loss_fn`` of the params ``train`` (adapters, and what else trains) joined with the
+    ``frozen`` base: differentiated in ``train`` only, so the base gets no gradient.
+    ``base_ref``: the KL reference is the base itself (every adapter zero), so a LoRA run
+    needs no second copy of the weights."""
+    if base_ref:
+        ref = (join_params(jax.tree.map(jnp.zeros_like, train), frozen),)
+    return loss_fn(join_params(train, frozen), mb, denoms, *ref)
+
+
 def add_groups(a: tuple[dict, Any], b: tuple[dict, Any]) -> tuple[dict, Any]:
     """Two groups' ``(stats, grads)`` summed (``MAX_STATS`` by max)."""
     stats = {k: jnp.maximum(v, b[0][k]) if k in MAX_STATS else v + b[0][k]
@@ -134,7 +146,10 @@ class Updater:
     or made from host arrays ``lengths [B]`` (columns each row uses; default: ``attn``'s row
     sums, a device sync), ``shuffle [B, epochs]`` (each epoch's row order; default:
     ``batch["shuffle"]`` or the given order) and ``rows`` (the rows to train on; default all).
-    ``ref``: the reference policy's params, required when ``uses_ref``.
+    ``ref``: the reference policy's params, required when ``uses_ref``. ``trainable``
+    (LoRA): gradients and optimizer steps only for the adapters and the top-level params it
+    names (``models.lora.split_trainable``; ``opt_state`` is theirs alone); the frozen rest
+    of ``params`` comes back as the same arrays.
     """
 
     kind: Kind
@@ -149,6 +164,7 @@ class Updater:
     combine: Callable
     explained_variance: Callable
     uses_ref: bool = False  # the policy loss has a KL-to-reference term (algo.kl_coef > 0)
+    trainable: tuple[str, ...] | None = None  # None: every param trains; else LoRA
 
     def plan(self, lengths: np.ndarray, width: int, shuffle: np.ndarray | None = None,
              rows: np.ndarray | None = None) -> list[Minibatch]:
@@ -166,6 +182,10 @@ class Updater:
         if self.uses_ref and ref is None:
             raise ValueError("algo.kl_coef > 0: the policy update needs the reference params")
         extra = (ref,) if self.uses_ref else ()
+        frozen = None
+        if self.trainable is not None:
+            params, frozen = split_trainable(params, self.trainable)
+            extra = (frozen, *extra)
         if plan is None:
             if lengths is None:
                 lengths = np.asarray(jax.device_get(batch["attn"].sum(1)))
@@ -187,6 +207,8 @@ class Updater:
             params, opt_state, stats = self.apply(params, opt_state, acc[1], acc[0], d)
             stats0 = stats
             per_mb.append(stats)
+        if frozen is not None:
+            params = join_params(params, frozen)
         if stats0 is None:  # nothing to train on anywhere
             return params, opt_state, {f"{self.kind}_loss": jnp.zeros(()),
                                        f"{self.kind}_skipped": jnp.zeros(())}
@@ -205,19 +227,22 @@ def plan_cells(plan: list[Minibatch]) -> int:
 
 def make_updater(kind: Kind, graphdef: Any, *, tx: optax.GradientTransformation,
                  cfg: StepConfig, mesh=None, params: Any = None,
-                 opt_state: Any = None) -> Updater:
+                 opt_state: Any = None, trainable: tuple[str, ...] | None = None) -> Updater:
     """The policy or value ``Updater``; with ``mesh``, its steps declare the shardings of
     ``params`` and ``opt_state`` as placed now (in and out) and split row groups over the
-    batch axes."""
+    batch axes. ``trainable``: see ``Updater`` (LoRA; ``opt_state`` is the adapters')."""
     loss = partial(policy_group_loss if kind == "policy" else value_group_loss, graphdef,
                    cfg=cfg)
+    kl = kind == "policy" and cfg.algo.kl_coef > 0
+    if trainable is not None:
+        loss = partial(lora_loss, loss, kl)
     grads = partial(group_grads, loss)
     apply = partial(apply_step, tx=tx, kind=kind)
     name = "policy" if kind == "policy" else "value"
     first = FIRST_MB_STATS if kind == "policy" else ()
     combine = jax.jit(partial(combine_stats, name=name, first_mb=first))
-    uses_ref = kind == "policy" and cfg.algo.kl_coef > 0
-    common = dict(kind=kind, cfg=cfg, uses_ref=uses_ref,
+    uses_ref = kl and trainable is None  # LoRA: the reference is the frozen base
+    common = dict(kind=kind, cfg=cfg, uses_ref=uses_ref, trainable=trainable,
                   counts=jax.jit(partial(row_counts, kind=kind)),
                   denoms=jax.jit(minibatch_denoms), add=jax.jit(add_groups, donate_argnums=0),
                   combine=combine, explained_variance=jax.jit(algo.explained_variance))
@@ -230,11 +255,14 @@ def make_updater(kind: Kind, graphdef: Any, *, tx: optax.GradientTransformation,
 
     rep, rows = NamedSharding(mesh, PartitionSpec()), batch_spec(mesh)
     p, o = placed(params, mesh), placed(opt_state, mesh)
+    extra = (p,) if uses_ref else ()
+    if trainable is not None:  # the trained part in and out, the frozen base in only
+        p, frozen = split_trainable(p, trainable)
+        extra = (frozen,)
     return Updater(
         unit=data_parallel_size(mesh),
         take=jax.jit(take, static_argnames="width", out_shardings=rows),
-        grads=jax.jit(grads, in_shardings=(p, rows, rep) + ((p,) if uses_ref else ()),
-                      out_shardings=(rep, p)),
+        grads=jax.jit(grads, in_shardings=(p, rows, rep, *extra), out_shardings=(rep, p)),
         apply=jax.jit(apply, donate_argnums=(0, 1), in_shardings=(p, o, p, rep, rep),
                       out_shardings=(p, o, rep)),
         **common)
@@ -242,23 +270,27 @@ def make_updater(kind: Kind, graphdef: Any, *, tx: optax.GradientTransformation,
 
 @lru_cache(maxsize=32)
 def _default_updater(kind: Kind, graphdef: Any, tx: optax.GradientTransformation,
-                     cfg: StepConfig) -> Updater:
-    return make_updater(kind, graphdef, tx=tx, cfg=cfg)
+                     cfg: StepConfig, trainable: tuple[str, ...] | None = None) -> Updater:
+    return make_updater(kind, graphdef, tx=tx, cfg=cfg, trainable=trainable)
 
 
 def policy_update(graphdef: Any, params: Any, opt_state: Any, batch: dict[str, jax.Array], *,
-                  tx: optax.GradientTransformation, cfg: StepConfig, **plan: Any):
+                  tx: optax.GradientTransformation, cfg: StepConfig,
+                  trainable: tuple[str, ...] | None = None, **plan: Any):
     """PPO epochs x minibatches on the policy mask (+ positive-example NLL, weight mu), off
     any mesh. ``batch``: ``[B, S]`` ``tokens, attn, sample_logprobs, advantages,
     policy_mask, positive_mask`` (optionally ``shuffle [B, epochs]``); ``plan``: ``Updater``'s
     keywords. Returns ``(params, opt_state, stats)``; ``stats["policy_loss"]`` is the total
-    loss."""
-    return _default_updater("policy", graphdef, tx, cfg)(params, opt_state, batch, **plan)
+    loss. ``trainable``: see ``Updater`` (LoRA)."""
+    return _default_updater("policy", graphdef, tx, cfg, trainable)(params, opt_state, batch,
+                                                                     **plan)
 
 
 def value_update(graphdef: Any, params: Any, opt_state: Any, batch: dict[str, jax.Array], *,
-                 tx: optax.GradientTransformation, cfg: StepConfig, **plan: Any):
+                 tx: optax.GradientTransformation, cfg: StepConfig,
+                 trainable: tuple[str, ...] | None = None, **plan: Any):
     """Clipped value regression to MC returns on the value mask, off any mesh; as
     ``policy_update`` with ``tokens, attn, values_old, returns, value_mask`` (``rows``: the
     finished rows, so the critic pays only for rows with a target)."""
-    return _default_updater("value", graphdef, tx, cfg)(params, opt_state, batch, **plan)
+    return _default_updater("value", graphdef, tx, cfg, trainable)(params, opt_state, batch,
+                                                                    **plan)

@@ -41,6 +41,13 @@ from tppo_jax.train.batch import critic_update, init_value_bias, update_batch
 from tppo_jax.train.collect import collect
 from tppo_jax.train.setup import Run, make_scheduler
 from tppo_jax.train.state import TrainState
+from tppo_jax.train.trainable import (
+    copy_trained,
+    model_key,
+    rejoin,
+    trainable_keys,
+    trained_part,
+)
 from tppo_jax.train.warmstart import keyed_data, warmstart_key
 
 log = logging.getLogger(__name__)
@@ -64,7 +71,8 @@ def pretrain_key(cfg: Config) -> str:
     rollout = dict(d["rollout"], window=cfg.rollout.max_response_len, kv_policy="keep")
     data = {k: v for k, v in keyed_data(cfg).items() if k != "eval_size"}
     start = warmstart_key(cfg) if cfg.model.source == "tiny" else cfg.model.path
-    blob = json.dumps({"start": start, "model": d["model"], "data": data, "reward": d["reward"],
+    model = model_key(cfg, with_lora=True)  # a LoRA critic trains otherwise
+    blob = json.dumps({"start": start, "model": model, "data": data, "reward": d["reward"],
                        "rollout": rollout, "algo": {k: d["algo"][k] for k in _ALGO_KEYS},
                        "optim": {k: d["optim"][k] for k in _OPTIM_KEYS},
                        "seed": cfg.train.seed, "v": 1}, sort_keys=True)
@@ -83,11 +91,12 @@ def pretrain_value(run: Run, state: TrainState) -> TrainState:
         value, curve = _pretrain(run, state)
         return _with_value(run, state, value, curve, source="pretrained (multi-host, uncached)")
     cache = run.run_dir.parent / f"value-pretrain-{pretrain_key(cfg)}"
+    keep = trainable_keys(cfg)[1]  # LoRA: the cache holds what trains, not the base
     with _locked(cache):
         if not (cache / "DONE").exists():
             value, curve = _pretrain(run, state)
-            _save(cache, value, curve)
-    value = _restore(cache, state.value)
+            _save(cache, trained_part(value, keep), curve)
+    value = rejoin(_restore(cache, trained_part(state.value, keep)), state.value, keep)
     curve = [json.loads(x) for x in (cache / CURVE).read_text().splitlines()]
     return _with_value(run, state, value, curve, source=str(cache))
 
@@ -114,7 +123,7 @@ def _pretrain(run: Run, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
                            seed=cfg.train.seed + SEED_OFFSET)
     # Copies: the updates donate their inputs, and the run's own critic and (fresh)
     # optimizer state must survive for the run itself.
-    value = jax.tree.map(jnp.copy, state.value)
+    value = copy_trained(state.value, trainable_keys(cfg)[1])  # LoRA: the base is shared
     opt = jax.tree.map(jnp.copy, state.value_opt)
     n, curve, t0 = cfg.algo.value_pretrain_steps, [], time.time()
     bar = tqdm(range(n), desc="value pretraining", dynamic_ncols=True,

@@ -33,6 +33,7 @@ from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.models.hf import from_pretrained, save_pretrained
 from tppo_jax.models.tokenizer import Tokenizer, train_sentencepiece
 from tppo_jax.models.transformer import ModelConfig, Transformer, create_model
+from tppo_jax.train.trainable import model_key
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def _key(cfg: Config, on_bad_row: str) -> str:
     data = {k: v for k, v in keyed_data(cfg).items()
             if not (k == "eval_size" and cfg.data.source == "synthetic")}
     data["on_bad_row"] = on_bad_row
-    blob = json.dumps({"model": asdict(cfg.model), "data": data,
+    blob = json.dumps({"model": model_key(cfg, with_lora=False), "data": data,
                        "train": [t.warmstart_steps, t.warmstart_lr, t.warmstart_batch,
                                  *batching],
                        "teacher": [cfg.train.warmstart_wrong_step_frac,
