@@ -12,6 +12,10 @@ Model (bytes per chip):
   params are bf16 — the mixed-precision recipe a 32B run needs; the current trainer's
   ``optax.adamw`` keeps m/v in the param dtype, so this is an upper bound for it;
 - gradients: one param-dtype copy;
+- LoRA (``model.lora_rank > 0``): the params are the base plus float32 adapters (``A [in, r]``,
+  ``B [r, out]`` per targeted projection and layer, sharded like their base's dims), and the
+  optimizer states and gradients cover only what trains: the adapters (and, with
+  ``model.value_lora``, the critic's value head); the frozen base has neither;
 - activations (remat): the saved layer inputs, ``tokens_per_chip * hidden * bytes * layers``,
   plus one layer's recompute working set (inputs, q/k/v, attention output, gate/up/act, and
   their cotangents). ``tokens_per_chip`` = one mini-batch (``slots / optim.minibatches``
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from tppo_jax.config import Config, ConfigError
+from tppo_jax.config_checks import parse_lora_targets
 from tppo_jax.launch import GIB, TpuType, parse_tpu_type
 from tppo_jax.parallel.mesh import LOGICAL_RULES, MESH_AXES
 
@@ -94,8 +99,35 @@ class Arch:
         for shape, axes, fp32 in self.policy_tensors():
             if axes != ("embed", "vocab"):
                 yield shape, axes, fp32
+        yield from self.value_head_tensors()
+
+    def value_head_tensors(self) -> Iterator[tuple[tuple[int, ...], tuple[str | None, ...],
+                                                   bool]]:
         yield (self.hidden_size,), ("embed",), True
         yield (), (), True
+
+    def projections(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...],
+                                             tuple[str, ...]]]:
+        """name -> (input dims, their axes, output dims, their axes) of every projection
+        (transformer.py ``PROJECTIONS``)."""
+        h, i, hq, hkv, d = (self.hidden_size, self.intermediate_size, self.num_heads,
+                            self.num_kv_heads, self.head_dim)
+        e, kv = ((h,), ("embed",)), ((hkv, d), ("kv_heads", "head_dim"))
+        return {"q": (*e, (hq, d), ("heads", "head_dim")), "k": (*e, *kv), "v": (*e, *kv),
+                "o": ((hq, d), ("heads", "head_dim"), (h,), ("embed",)),
+                "gate": (*e, (i,), ("mlp",)), "up": (*e, (i,), ("mlp",)),
+                "down": ((i,), ("mlp",), (h,), ("embed",))}
+
+    def lora_tensors(self, rank: int, targets: tuple[str, ...]
+                     ) -> Iterator[tuple[tuple[int, ...], tuple[str | None, ...], bool]]:
+        """The float32 LoRA adapters (models/lora.py): per layer and targeted projection,
+        ``A [in..., r]`` and ``B [r, out...]`` with their base dims' axes."""
+        dims = self.projections()
+        for _ in range(self.num_layers):
+            for t in targets:
+                ins, in_axes, outs, out_axes = dims[t]
+                yield (*ins, rank), (*in_axes, None), True
+                yield (rank, *outs), (None, *out_axes), True
 
     @property
     def n_params(self) -> int:
@@ -195,8 +227,13 @@ def local_elements(shape: tuple[int, ...], axes: tuple[str | None, ...],
     return n
 
 
-def _model_rows(tensors, mesh: dict[str, int], dtype_bytes: int) -> dict[str, int]:
+def _model_rows(tensors, mesh: dict[str, int], dtype_bytes: int,
+                frozen=()) -> dict[str, int]:
+    """Per-chip bytes of a model: ``tensors`` train (params, gradients, AdamW states);
+    ``frozen`` ones (a LoRA base) are params only."""
     params = grads = opt = 0
+    for shape, axes, fp32 in frozen:
+        params += local_elements(shape, axes, mesh) * (4 if fp32 else dtype_bytes)
     for shape, axes, fp32 in tensors:
         n = local_elements(shape, axes, mesh)
         b = 4 if fp32 else dtype_bytes
@@ -205,6 +242,30 @@ def _model_rows(tensors, mesh: dict[str, int], dtype_bytes: int) -> dict[str, in
         # AdamW m + v in fp32, plus an fp32 master copy of low-precision params.
         opt += n * (8 + (4 if b < 4 else 0))
     return {"params": params, "optimizer": opt, "grads": grads}
+
+
+def _models_rows(cfg: Config, a: Arch, mesh: dict[str, int], dtype_bytes: int
+                 ) -> tuple[dict[str, int], dict[str, int], dict[str, Any] | None]:
+    """``(policy rows, value rows, LoRA summary or None)`` (``_model_rows`` of each model)."""
+    m = cfg.model
+    if not m.lora_rank:
+        return (_model_rows(a.policy_tensors(), mesh, dtype_bytes),
+                _model_rows(a.value_tensors(), mesh, dtype_bytes), None)
+    targets = parse_lora_targets(m.lora_targets)
+    adapters = list(a.lora_tensors(m.lora_rank, targets))
+    policy = _model_rows(adapters, mesh, dtype_bytes, frozen=a.policy_tensors())
+    shared = m.value_lora and m.value_init == "policy"  # train/trainable.py shares_base
+    if m.value_lora:
+        # The frozen backbone: all but the fp32 head; none of its own when shared
+        backbone = [] if shared else [t for t in a.value_tensors() if not t[2]]
+        value = _model_rows([*adapters, *a.value_head_tensors()], mesh, dtype_bytes,
+                            frozen=backbone)
+    else:
+        value = _model_rows(a.value_tensors(), mesh, dtype_bytes)
+    n = sum(math.prod(s) for s, _, _ in adapters)
+    return policy, value, {"rank": m.lora_rank, "targets": list(targets),
+                           "adapter_params": n, "value_lora": m.value_lora,
+                           "shared_base": shared}
 
 
 def plan_memory(cfg: Config, tpu: TpuType | str, arch: Arch | str | None = None
@@ -216,8 +277,7 @@ def plan_memory(cfg: Config, tpu: TpuType | str, arch: Arch | str | None = None
     r, bytes_ = cfg.rollout, DTYPE_BYTES[cfg.model.dtype]
     dp = mesh["data"] * mesh["fsdp"]
 
-    policy = _model_rows(a.policy_tensors(), mesh, bytes_)
-    value = _model_rows(a.value_tensors(), mesh, bytes_)
+    policy, value, lora = _models_rows(cfg, a, mesh, bytes_)
 
     seq = r.max_prompt_len + r.max_response_len
     mb_seqs = r.slots // cfg.optim.minibatches
@@ -258,7 +318,7 @@ def plan_memory(cfg: Config, tpu: TpuType | str, arch: Arch | str | None = None
     return {
         "arch": asdict(a), "n_params_policy": a.n_params, "n_params_value": a.n_value_params,
         "tpu": tpu.name, "chips": tpu.chips, "hosts": tpu.hosts, "hbm_bytes": tpu.hbm_bytes,
-        "mesh": mesh, "dtype": cfg.model.dtype,
+        "mesh": mesh, "dtype": cfg.model.dtype, "lora": lora,
         "param_shards": mesh["fsdp"] * mesh["tensor"],
         "tokens_per_chip": tokens, "minibatch_seqs": mb_seqs, "seq_len": seq,
         "kv_tokens": kv_tokens, "kv_bytes_per_token": kv_token_bytes,
@@ -283,6 +343,7 @@ def format_plan(p: dict[str, Any]) -> str:
         + f"; mini-batch {p['minibatch_seqs']} x {p['seq_len']} tokens -> "
           f"{p['tokens_per_chip']:,} tokens per chip; KV {p['kv_tokens']:,} tokens",
         "",
+        *_lora_line(p),
         f"{'component':<40}{'per chip':>16}",
         "-" * 56,
     ]
@@ -299,6 +360,19 @@ def format_plan(p: dict[str, Any]) -> str:
                  f"{_gib(p['notes']['dense_attention_scores_bytes'])} per chip "
                  f"(the total assumes a flash/splash attention kernel)")
     return "\n".join(lines)
+
+
+def _lora_line(p: dict[str, Any]) -> list[str]:
+    lo = p["lora"]
+    if lo is None:
+        return []
+    who = ("policy and critic (+ its value head)" if lo["value_lora"]
+           else "policy (the critic trains in full)")
+    shared = ("; the critic's frozen backbone is the policy's (value params: adapters + head)"
+              if lo["shared_base"] else "")
+    return [f"LoRA rank {lo['rank']} on {','.join(lo['targets'])}: "
+            f"{lo['adapter_params'] / 1e6:.1f}M adapter params per model; AdamW states and "
+            f"gradients only for them in the {who}{shared}", ""]
 
 
 def with_mesh(cfg: Config, mesh: dict[str, int]) -> Config:

@@ -131,3 +131,37 @@ def test_plan_errors(capsys):
 def test_tiny_default_config_plans_on_cpu_sized_slice():
     p = plan_memory(load_config("default"), "v4-8")
     assert p["arch"]["name"] == "tiny" and p["fits"]
+
+
+def test_lora_counts_optimizer_and_grads_for_adapters_only():
+    cfg, arch = tiny_case()
+    lora = from_dict({**cfg.to_dict(), "model": {**cfg.to_dict()["model"], "lora_rank": 2,
+                                                 "lora_targets": "q,down"}})
+    p = plan_memory(lora, "v4-8", arch)  # fsdp=2 x tensor=2, as tiny_case
+    # Local fp32 adapter elements per layer: q A [8, 2] (embed/2) 8, B [2, 2, 4] (heads/2) 8;
+    # down A [16, 2] (mlp/2) 16, B [2, 8] (embed/2) 8 -> 40; two layers -> 80 (320 bytes)
+    rows = p["rows"]
+    assert rows["policy params"] == 1232 + 320  # the bf16 base (as without LoRA) + adapters
+    assert rows["policy grads"] == 320 and rows["policy optimizer"] == 80 * 8  # m, v fp32
+    # the critic shares the policy's frozen base: its own params are adapters + fp32 head (5)
+    assert rows["value params"] == 320 + 5 * 4 and rows["value grads"] == 340
+    assert rows["value optimizer"] == (80 + 5) * 8
+    assert p["lora"] == {"rank": 2, "targets": ["q", "down"], "adapter_params": 2 * (32 + 48),
+                         "value_lora": True, "shared_base": True}
+    full_critic = from_dict({**lora.to_dict(), "model": {**lora.to_dict()["model"],
+                                                         "value_lora": False}})
+    q = plan_memory(full_critic, "v4-8", arch)
+    # value_lora false: the critic trains in full, as without LoRA (488 bf16 + 5 fp32 elements)
+    assert q["rows"]["value params"] == 996 and q["rows"]["value optimizer"] == 488 * 12 + 5 * 8
+    assert q["rows"]["policy optimizer"] == 640 and not q["lora"]["shared_base"]
+
+
+def test_lora_fits_qwen25_15b_on_one_16_gib_chip():
+    cfg = "configs/qwen25_15b_gsm8k.yaml"
+    full = plan_memory(load_config(cfg), "v5litepod-1", "qwen2.5-1.5b")
+    lora = plan_memory(load_config(cfg, ["model.lora_rank=16"]), "v5litepod-1", "qwen2.5-1.5b")
+    assert not full["fits"] and full["total_bytes"] > 50 * GIB  # AdamW of two 1.5B models
+    assert lora["fits"] and lora["total_bytes"] < 13 * GIB  # 12.2 GiB: see docs/models.md
+    rows = lora["rows"]
+    assert rows["policy optimizer"] < 0.2 * GIB and rows["value params"] < 0.1 * GIB
+    assert lora["lora"]["adapter_params"] == 18_464_768  # rank 16 on all 7 projections
