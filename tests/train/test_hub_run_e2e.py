@@ -40,13 +40,11 @@ def _rows(n: int, offset: int) -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-def test_hub_model_and_dataset_with_lora_and_wandb_train_offline(tmp_path, monkeypatch):
+def test_hub_model_and_dataset_with_lora_and_wandb_train_offline(tmp_path, monkeypatch,
+                                                                 wandb_offline):
     home = offline_home(tmp_path / "hf", monkeypatch)
     _model_cache(home)
     hub_snapshot(home, "owner/sums", {"main": {"train": _rows(48, 0), "test": _rows(8, 100)}})
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
-    (tmp_path / "wandb").mkdir()
     monkeypatch.chdir(tmp_path)  # "owner/tiny" and "owner/sums" are no local paths here
     run = tmp_path / "runs" / "hub"
     overrides = ["model.source=hf", "model.path=owner/tiny", "model.max_seq_len=224",
@@ -63,7 +61,7 @@ def test_hub_model_and_dataset_with_lora_and_wandb_train_offline(tmp_path, monke
     saved = (run / "config.yaml").read_text()
     assert "path: owner/tiny\n" in saved and "source: owner/sums\n" in saved
     assert (run / "wandb_id").read_text().strip()
-    assert list((tmp_path / "wandb").rglob("*.wandb"))
+    assert list(wandb_offline.rglob("*.wandb"))
 
     out = tmp_path / "bench.json"
     assert main(["eval", "--benchmark", "owner/sums", str(run), "--format", "gsm8k",

@@ -60,7 +60,7 @@ def finished_log(path: Path, timeout_s: float = 30.0) -> list:
 def offline_runs(wandb_dir: Path, run_id: str) -> list[dict]:
     """Per offline run of ``run_id`` (oldest first): its run record, config and history."""
     out = []
-    for f in sorted(wandb_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+    for f in sorted(wandb_dir.glob(f"wandb/offline-run-*-{run_id}*/run-{run_id}.wandb")):
         run, config, history = None, {}, {}
         for r in finished_log(f):
             kind = r.WhichOneof("record_type")
@@ -78,13 +78,8 @@ def offline_runs(wandb_dir: Path, run_id: str) -> list[dict]:
 
 
 @pytest.fixture
-def offline(tmp_path, monkeypatch) -> Path:
-    wandb_dir = tmp_path / "wandb_dir"
-    wandb_dir.mkdir()
-    for k, v in {"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true",
-                 "WANDB_CONSOLE": "off"}.items():
-        monkeypatch.setenv(k, v)
-    return wandb_dir
+def offline(wandb_offline) -> Path:
+    return wandb_offline
 
 
 def test_an_offline_run_holds_the_steps_samples_and_config_and_a_resume_continues_it(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,8 +115,11 @@ def _init(run_dir: Path, s: WandbSettings) -> Any:
 
     id_file = run_dir / ID_FILE
     run_id = id_file.read_text().strip() if id_file.is_file() else None
+    # WANDB_DIR / WANDB_MODE read now, not when this process first touched wandb: its
+    # settings are process-wide, so a notebook's second run would keep the first's.
     run = wandb.init(project=s.project, name=s.name, entity=s.entity, id=run_id or None,
-                     resume="allow", reinit="create_new")
+                     resume="allow", reinit="create_new", dir=os.environ.get("WANDB_DIR"),
+                     mode=os.environ.get("WANDB_MODE"))
     try:
         # after init, so a resumed run takes the config it runs with (lr changed on resume)
         run.config.update(s.config, allow_val_change=True)
