@@ -112,3 +112,17 @@ def test_directory_as_data_source_is_a_data_error(tmp_path: Path) -> None:
     d.mkdir()
     with pytest.raises(DataError, match="not a regular file"):
         read_examples(d)
+
+
+@pytest.mark.parametrize("content", ["empty", "no data files"])
+def test_a_folder_that_holds_no_dataset_is_one_line(tmp_path: Path, content: str) -> None:
+    """What ``tppo train data.source=FOLDER`` reads: ``read_source`` on a directory."""
+    from tppo_jax.data.sources import read_source
+
+    d = tmp_path / "rows"
+    d.mkdir()
+    if content == "no data files":
+        (d / "notes.txt.bak").write_bytes(b"\x00\x01 not a table")
+    with pytest.raises(DataError) as e:
+        read_source(str(d))
+    assert str(d) in str(e.value) and "\n" not in str(e.value)

@@ -13,7 +13,13 @@ import pytest
 from tppo_jax import cli
 from tppo_jax.config import Config, ConfigError, load_config
 from tppo_jax.train import warmstart
-from tppo_jax.train.run_config import _flat, frozen, resume_config
+from tppo_jax.train.run_config import (
+    END_MARKER,
+    _flat,
+    frozen,
+    resume_config,
+    run_config_text,
+)
 from tppo_jax.train.run_dir import resolve_run_dir
 
 
@@ -37,7 +43,7 @@ def run(tmp_path):
     cfg = load_config("smoke", SMALL)
     path = tmp_path / "runs" / "r"
     path.mkdir(parents=True)
-    (path / "config.yaml").write_text(cfg.to_yaml())
+    (path / "config.yaml").write_text(run_config_text(cfg))
     return path, cfg
 
 
@@ -65,6 +71,8 @@ BAD = {
     "cut inside a line": _cut_mid_line,
     "cut at a line end": _cut_at_line,
     "cut after the last header": lambda t: t[: t.index("\ntrain:") + len("\ntrain:\n")],
+    # a line end inside the last section: every section there and non-empty, train.seed lost
+    "cut inside the last section": lambda t: t[: t.index("\n", t.index("\ntrain:\n") + 8) + 1],
     "not a mapping": lambda t: "- model\n- data\n",
     "invalid YAML": lambda t: "model: [1, 2\n",
     "a YAML bomb": lambda t: 'a: &a ["x", "x"]\nb: &b [*a, *a, *a]\nc: [*b, *b, *b]\n' + t,
@@ -96,13 +104,33 @@ def test_an_unreadable_config_yaml_is_refused(run, kind):
     assert "\n" not in str(e.value) and str(path / "config.yaml") in str(e.value)
 
 
-def test_missing_keys_of_an_older_config_are_said(run, caplog):
+@pytest.mark.parametrize("marker", [True, False], ids=["whole file", "older version"])
+def test_missing_keys_of_an_older_config_are_said(run, caplog, marker):
     path, saved = run
     text = (path / "config.yaml").read_text().replace("  advantage_baseline: critic\n", "")
-    (path / "config.yaml").write_text(text)
+    (path / "config.yaml").write_text(text if marker else text.replace(END_MARKER, ""))
     with caplog.at_level(logging.WARNING):
         assert resume_config(str(path), None, []) == saved
     assert "has no algo.advantage_baseline: using its default 'critic'" in caplog.text
+
+
+def test_a_missing_frozen_key_is_refused_unless_the_file_is_whole(run, caplog):
+    path, saved = run
+    text = (path / "config.yaml").read_text().replace("  seed: 0\n", "", 1)
+    (path / "config.yaml").write_text(text.replace(END_MARKER, ""))
+    with pytest.raises(ConfigError, match=r"has no data.seed \(truncated\?\)") as e:
+        resume_config(str(path), None, [])
+    assert "\n" not in str(e.value)
+    (path / "config.yaml").write_text(text)  # ended by the marker: a key an older run lacked
+    with caplog.at_level(logging.WARNING):
+        assert resume_config(str(path), None, []) == saved
+
+
+def test_a_refused_change_quotes_short_prefixes(run):
+    path, _ = run
+    with pytest.raises(ConfigError) as e:
+        resume_config(str(path), None, [f"data.prompt_template={'x' * 100_000}"])
+    assert len(str(e.value)) < 400 and "data.prompt_template" in str(e.value)
 
 
 def test_the_cli_refuses_an_empty_config_yaml_and_writes_nothing(run, capsys):
@@ -257,11 +285,12 @@ def test_resume_drops_only_rows_past_the_step_and_rewrites_atomically(tmp_path, 
     from tppo_jax.train.metrics import MetricsWriter
 
     _metrics(tmp_path, 6)
-    with (tmp_path / "metrics.jsonl").open("a") as f:
-        f.write('{"step": 7, "rew')  # cut by a kill
+    with (tmp_path / "metrics.jsonl").open("ab") as f:  # rows no resume may choke on
+        f.write(b'{"step": "x"}\n{"step": null, "wall_time": "y"}\n{"step": 1' + b"9" * 5000
+                + b'}\n\xff\xfe\n{"step": 7, "rew')  # the last cut by a kill
     m = MetricsWriter(tmp_path, tensorboard=False, resume_step=4)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and m.last["step"] == 4
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, "x", None] and m.last["step"] is None
     # A full disk during the rewrite leaves the file as it was, never half of it.
     before = (tmp_path / "metrics.jsonl").read_text()
     real = Path.write_text

@@ -92,7 +92,8 @@ class MetricsWriter:
         rows = [r for r in map(json.loads, _kept_rows(self.path, step)) if isinstance(r, dict)]
         if rows:
             self.last = rows[-1]
-            self.t0 = time.time() - float(self.last.get("wall_time", 0.0))
+            wall = self.last.get("wall_time")
+            self.t0 = time.time() - (float(wall) if isinstance(wall, int | float) else 0.0)
 
     def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         row = {"step": step, "wall_time": time.time() - self.t0}
@@ -196,15 +197,19 @@ def _markdown(sample: dict[str, Any]) -> str:
 
 def _kept_rows(path: Path, step: int) -> list[str]:
     """Rewrites ``path`` (atomically) with its rows up to ``step`` and returns them. A line
-    that does not parse (cut by a kill in an older version) is dropped, and said."""
+    that does not parse (cut by a kill in an older version, bytes that are not UTF-8) is
+    dropped, and said; a row whose step is not a number is kept (nothing says it is past
+    ``step``)."""
     kept, cut = [], 0
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or an integer past Python's digit limit
             cut += 1
             continue
-        if not isinstance(row, dict) or row.get("step", 0) <= step:
+        row_step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(row_step, int | float) or isinstance(row_step, bool) or (
+                row_step <= step):
             kept.append(line)
     if cut:
         log.warning("%s: dropped %d line(s) that do not parse", path, cut)

@@ -20,6 +20,7 @@ from typing import Any
 from etils import epath
 
 from tppo_jax.config import MAX_CONFIG_BYTES, Config, ConfigError, load_config, safe_load_yaml
+from tppo_jax.config_checks import quote
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,14 @@ FROZEN_KEYS = (
 # data.on_bad_row only decides whether a bad row stops the run; the rows kept are the same.
 MUTABLE_IN_FROZEN = ("data.on_bad_row",)
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))  # every section config.yaml has
+# The last line of every config.yaml a run writes: a file without it was cut short (or
+# written by a version before it, when a missing frozen key is refused all the same).
+END_MARKER = "# end of the run's config\n"
+
+
+def run_config_text(cfg: Config) -> str:
+    """``RUN/config.yaml``'s text: the config, then ``END_MARKER``."""
+    return cfg.to_yaml() + END_MARKER
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -112,13 +121,22 @@ def read_run_config(path: epath.Path) -> tuple[str, dict[str, Any]]:
                       f"file (nothing was changed), or start a new --run-dir")
 
 
-def _warn_missing_keys(data: dict[str, Any], path: epath.Path) -> None:
-    """Keys a config.yaml lacks take their defaults (a run written by an older version):
-    said once each, so a hand-cut file does not pass silently."""
+def _check_missing_keys(text: str, data: dict[str, Any], path: epath.Path) -> None:
+    """Keys a config.yaml lacks take their defaults (keys a run written by an older version
+    did not have yet), said once each. Without ``END_MARKER`` the file may be cut short at
+    a line end inside its last section: a missing key that shapes the checkpoint, the
+    warm-start or the data order (``frozen``) is then refused, not guessed."""
     have = set(_flat(data))
-    for key, value in _flat(Config().to_dict()).items():
-        if key not in have:
-            log.warning("resume: %s has no %s: using its default %r", path, key, value)
+    missing = {k: v for k, v in _flat(Config().to_dict()).items() if k not in have}
+    if not text.endswith(END_MARKER):
+        lost = [k for k in missing if frozen(k)]
+        if lost:
+            more = f" and {len(lost) - 3} more" if len(lost) > 3 else ""
+            raise ConfigError(f"{path} has no {', '.join(lost[:3])}{more} (truncated?): "
+                              f"--resume needs the run's own config; restore the file "
+                              f"(nothing was changed), or start a new --run-dir")
+    for key, value in missing.items():
+        log.warning("resume: %s has no %s: using its default %r", path, key, value)
 
 
 def resume_config(run_dir: str, config: str | None, overrides: list[str]) -> Config | None:
@@ -131,7 +149,7 @@ def resume_config(run_dir: str, config: str | None, overrides: list[str]) -> Con
     if not path.exists():
         return None
     text, data = read_run_config(path)
-    _warn_missing_keys(data, path)
+    _check_missing_keys(text, data, path)
     with tempfile.TemporaryDirectory() as tmp:  # load_config reads local files
         local = Path(tmp) / "config.yaml"
         local.write_text(text)
@@ -141,13 +159,14 @@ def resume_config(run_dir: str, config: str | None, overrides: list[str]) -> Con
             raise ConfigError(f"{path}: {str(e).replace(str(local), str(path))}") from None
         cfg = load_config(config if config is not None else local, overrides)
     diff = changes(saved, cfg)
-    refused = [f"{k} ({a!r} -> {b!r})" for k, (a, b) in diff.items() if frozen(k)]
+    refused = [f"{k} ({quote(a)} -> {quote(b)})" for k, (a, b) in diff.items() if frozen(k)]
     if refused:
         raise ConfigError(f"--resume cannot change {', '.join(refused)}: the run's checkpoints, "
                           f"warm-start and data order depend on it; start a new --run-dir "
                           f"instead")
     for k, (a, b) in diff.items():
-        log.info("resume: %s changed from %r to %r (run config: %s)", k, a, b, path)
+        log.info("resume: %s changed from %s to %s (run config: %s)", k, quote(a), quote(b),
+                 path)
     if not diff:
         log.info("resume: with the run's own config (%s)", path)
     return cfg
