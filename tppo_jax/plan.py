@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -155,8 +155,13 @@ ARCHITECTURES: dict[str, Arch] = {a.name: a for a in [
 
 
 def _norm_name(text: str) -> str:
+    """An architecture's key in ``ARCHITECTURES``: instruct / chat tunes share their base's
+    shapes (``Qwen2.5-1.5B-Instruct`` -> ``qwen2.5-1.5b``)."""
     t = text.lower().replace("_", "-").replace("meta-", "")
-    return t.replace("llama3", "llama-3").replace("qwen2-5", "qwen2.5")
+    t = t.replace("llama3", "llama-3").replace("qwen2-5", "qwen2.5")
+    for tune in ("-instruct", "-chat", "-base"):
+        t = t.removesuffix(tune)
+    return t
 
 
 def resolve_arch(cfg: Config, arch: str | None = None) -> Arch:
@@ -374,7 +379,3 @@ def _lora_line(p: dict[str, Any]) -> list[str]:
             f"{lo['adapter_params'] / 1e6:.1f}M adapter params per model; AdamW states and "
             f"gradients only for them in the {who}{shared}", ""]
 
-
-def with_mesh(cfg: Config, mesh: dict[str, int]) -> Config:
-    """``cfg`` with another mesh (for trying layouts from tests or a notebook)."""
-    return replace(cfg, mesh=replace(cfg.mesh, **mesh))

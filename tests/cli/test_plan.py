@@ -165,3 +165,9 @@ def test_lora_fits_qwen25_15b_on_one_16_gib_chip():
     rows = lora["rows"]
     assert rows["policy optimizer"] < 0.2 * GIB and rows["value params"] < 0.1 * GIB
     assert lora["lora"]["adapter_params"] == 18_464_768  # rank 16 on all 7 projections
+
+
+def test_an_instruct_hub_id_names_its_base_architecture():
+    """The shipped configs name Hub ids of instruct tunes; ``tppo plan`` needs no --arch."""
+    cfg = load_config("configs/qwen25_15b_gsm8k.yaml", ["model.lora_rank=16"])
+    assert plan_memory(cfg, "v5litepod-1") == plan_memory(cfg, "v5litepod-1", "qwen2.5-1.5b")

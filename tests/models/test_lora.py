@@ -14,7 +14,7 @@ from flax import nnx
 
 from tppo_jax.config import AlgoConfig, ConfigError, OptimConfig, load_config
 from tppo_jax.config_checks import LORA_TARGETS, parse_lora_targets
-from tppo_jax.models.hf import from_pretrained, save_pretrained
+from tppo_jax.models.hf import from_pretrained, save_peft_adapter, save_pretrained
 from tppo_jax.models.lora import (
     LoraSpec,
     adapter_einsums,
@@ -113,6 +113,38 @@ def test_moved_adapters_change_every_forward_alike_and_merge_into_the_weights(tm
     save_pretrained(merged, tmp_path / "hf")  # export: merged HF weights
     np.testing.assert_allclose(from_pretrained(tmp_path / "hf")(tok), full, rtol=1e-5,
                                atol=1e-5)
+
+
+def test_the_peft_adapter_folder_adds_up_to_the_merged_weights(tmp_path):
+    """PEFT's rule, W + (alpha / r) B A per HF tensor, applied to the exported adapters and the
+    base's HF weights gives the merged export's weights: the adapter folder means what the
+    run trained."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    save_pretrained(tiny(), tmp_path / "base")
+    model = moved(add_lora(tiny(), ALL, seed=3))
+    save_peft_adapter(model, tmp_path / "adapter", alpha=ALL.alpha, base_model="owner/base")
+    save_pretrained(merge_lora(model), tmp_path / "merged")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (
+        4, 8.0, "owner/base")
+    assert config["target_modules"] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    base = load_file(tmp_path / "base" / "model.safetensors")
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    n_adapted = 0
+    for name, w in base.items():
+        pre = f"base_model.model.{name.removesuffix('.weight')}."
+        if pre + "lora_A.weight" in lora:
+            a, b = lora[pre + "lora_A.weight"], lora[pre + "lora_B.weight"]
+            assert a.shape == (4, w.shape[1]) and b.shape == (w.shape[0], 4)
+            w = w + (config["lora_alpha"] / config["r"]) * (b @ a)
+            n_adapted += 1
+        np.testing.assert_allclose(w, merged[name], rtol=1e-5, atol=1e-6)
+    assert n_adapted == 7 * len(model.backbone.layers) == len(lora) // 2
 
 
 def test_split_and_join_are_inverse_and_share_leaves():

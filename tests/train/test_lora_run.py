@@ -65,7 +65,8 @@ def test_lora_run_trains_only_adapters_and_checkpoints_and_exports_them(tmp_path
     from tppo_jax.models.hf import from_pretrained
     from tppo_jax.train.collect import collect
     from tppo_jax.train.loop import TrainHooks, maybe_checkpoint, update
-    from tppo_jax.train.setup import policy_module, setup
+    from tppo_jax.train.policy_view import policy_module
+    from tppo_jax.train.setup import setup
 
     # A large step size (adapters start at B = 0 and move the policy slowly), and one
     # minibatch: the first step's KL is then all before any update
@@ -114,3 +115,6 @@ def test_lora_run_trains_only_adapters_and_checkpoints_and_exports_them(tmp_path
     assert main(["export", str(tmp_path / "r"), str(tmp_path / "hf")]) == 0
     merged = from_pretrained(tmp_path / "hf")  # plain HF weights: adapters folded in
     np.testing.assert_allclose(np.asarray(merged(tok)), want, rtol=1e-4, atol=1e-4)
+    adapter = tmp_path / "hf" / "adapter"  # and the adapters alone, in PEFT's layout
+    assert {p.name for p in adapter.iterdir()} == {"adapter_config.json",
+                                                   "adapter_model.safetensors"}

@@ -92,11 +92,12 @@ def abstract_policy(config_json: Path, dtype: str):
     return pdef, template
 
 
-def load_run_policy(run_dir: Path, step: int | None):
+def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True):
     """(config, tokenizer, policy model, step, tokenizer file) of a run's checkpoint (the
     newest whose policy verifies, by default). With checkpoints, only the run directory
     is read: the policy is shaped from the model config and tokenizer the run keeps
-    (``warmstart/`` or ``model/``); without, it is the run's starting model."""
+    (``warmstart/`` or ``model/``); without, it is the run's starting model. A LoRA run's
+    adapters are folded into the weights unless ``merge_lora`` is False."""
     from flax import nnx
 
     from tppo_jax.config import ConfigError, load_config
@@ -120,8 +121,9 @@ def load_run_policy(run_dir: Path, step: int | None):
         if cfg.model.lora_rank:  # adapters-only checkpoints: the base as the run started it
             from tppo_jax.train.lora_checkpoint import restore_lora_policy
 
-            tok, policy, got, tok_file = restore_lora_policy(cfg, run_dir, ckpt, step)
-            return cfg, tok, policy, got or 0, tok_file  # adapters merged: a plain model
+            tok, policy, got, tok_file = restore_lora_policy(cfg, run_dir, ckpt, step,
+                                                             merge=merge_lora)
+            return cfg, tok, policy, got or 0, tok_file
         files = run_model_files(run_dir, (RUN_SUBDIR, MODEL_SUBDIR))
         if files is not None and (step is not None or ckpt.latest_step() is not None):
             pdef, template = abstract_policy(files[0], cfg.model.dtype)
@@ -227,18 +229,30 @@ def _show_samples(policy, tok, rows, prompts, grader, sampling, lens, engines) -
 
 def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="run directory")
-    p.add_argument("out", help="output folder (HF config.json + model.safetensors)")
+    p.add_argument("out", help="output folder (HF config.json + model.safetensors; a LoRA "
+                   "run's adapters alone in OUT/adapter/, PEFT's layout)")
     p.add_argument("--step", type=non_negative_int, default=None,
                    help="checkpoint step (default: latest)")
+
+
+ADAPTER_SUBDIR = "adapter"  # OUT/adapter/: a LoRA run's adapters alone, for PEFT
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     import shutil
 
-    from tppo_jax.models.hf import save_pretrained, write_special_ids
+    from tppo_jax.models.hf import save_peft_adapter, save_pretrained, write_special_ids
+    from tppo_jax.models.lora import merge_lora
 
-    _, tok, policy, step, tok_file = load_run_policy(Path(args.run_dir), args.step)
+    cfg, tok, policy, step, tok_file = load_run_policy(Path(args.run_dir), args.step,
+                                                       merge_lora=False)
     out = Path(args.out)
+    if cfg.model.lora_rank:  # the adapters alone (PEFT's layout), then merged weights
+        base = cfg.model.path if cfg.model.source == "hf" else None
+        save_peft_adapter(policy, out / ADAPTER_SUBDIR, alpha=cfg.model.lora_alpha,
+                          base_model=base)
+        print(f"exported the LoRA adapters of step {step} to {out / ADAPTER_SUBDIR}")
+        policy = merge_lora(policy)
     save_pretrained(policy, out)
     shutil.copy(tok_file, out / tok_file.name)  # Tokenizer.load(out) finds it
     # The tokenizer's companions: specials, chat template, EOS ids.

@@ -336,3 +336,49 @@ def save_pretrained(model: Transformer, path: str | pathlib.Path, *,
         weight_map.update(dict.fromkeys(shard, fname))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- LoRA adapters
+
+# Our projection name -> its module in the HF decoder layer (what PEFT's target_modules name).
+HF_PROJECTIONS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                  "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                  "down": "mlp.down_proj"}
+
+
+def peft_adapter_tensors(model: Transformer) -> dict[str, np.ndarray]:
+    """A LoRA model's adapters as PEFT names them: per targeted projection
+    ``...lora_A.weight [r, in]`` and ``...lora_B.weight [out, r]``, so that
+    ``W_hf + (alpha / r) B_hf A_hf`` is the merged HF weight. Our ``A`` spans the weight's
+    contracted dims and ``B`` its output dims, each in HF's flattening order."""
+    tensors = {}
+    for n, layer in enumerate(model.backbone.layers):
+        for owner in ("attn", "mlp"):
+            adapters = getattr(layer, owner).lora
+            for name, adapter in (adapters.items() if adapters is not None else ()):
+                a = np.asarray(jax.device_get(adapter.a[...]), np.float32)
+                b = np.asarray(jax.device_get(adapter.b[...]), np.float32)
+                r = a.shape[-1]
+                pre = f"base_model.model.model.layers.{n}.{HF_PROJECTIONS[name]}."
+                tensors[pre + "lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
+                tensors[pre + "lora_B.weight"] = np.ascontiguousarray(b.reshape(r, -1).T)
+    return tensors
+
+
+def save_peft_adapter(model: Transformer, path: str | pathlib.Path, *, alpha: float,
+                      base_model: str | None) -> None:
+    """Writes ``model``'s LoRA adapters (not merged) as a PEFT adapter folder:
+    ``adapter_model.safetensors`` + ``adapter_config.json`` (``base_model``: the HF id or
+    folder they apply to, None when the run's base is no HF model)."""
+    tensors = peft_adapter_tensors(model)
+    if not tensors:
+        raise ValueError("the model has no LoRA adapters")
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    rank = next(iter(tensors.values())).shape[0]
+    targets = sorted({k.split(".")[-3] for k in tensors})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": rank, "lora_alpha": alpha, "target_modules": targets, "lora_dropout": 0.0,
+              "bias": "none", "fan_in_fan_out": False, "inference_mode": True}
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -19,11 +19,12 @@ from tppo_jax.train.checkpoint import Checkpointer
 from tppo_jax.train.setup import load_policy
 
 
-def restore_lora_policy(cfg: Config, run_dir: Path, ckpt: Checkpointer, step: int | None
-                        ) -> tuple[Any, nnx.Module, int | None, Path]:
+def restore_lora_policy(cfg: Config, run_dir: Path, ckpt: Checkpointer, step: int | None,
+                        *, merge: bool = True) -> tuple[Any, nnx.Module, int | None, Path]:
     """``(tokenizer, merged policy, step, tokenizer file)``: the adapters of ``step`` (default:
     the newest step whose policy verifies) on the run's base; with no checkpoint, the base
-    itself (fresh adapters are zero) and step None. ``CheckpointError`` as
+    itself (fresh adapters are zero) and step None. ``merge=False``: the policy with its
+    adapters still apart (``tppo export`` writes them alone too). ``CheckpointError`` as
     ``Checkpointer.latest_good_item``."""
     spec = lora_spec(cfg.model)
     assert spec is not None, "not a LoRA run"
@@ -34,4 +35,4 @@ def restore_lora_policy(cfg: Config, run_dir: Path, ckpt: Checkpointer, step: in
     if found is not None:
         step, adapters = found
     model = nnx.merge(graphdef, join_params(adapters, frozen))
-    return tok, merge_lora(model), step, tok_file
+    return tok, merge_lora(model) if merge else model, step, tok_file
