@@ -184,7 +184,3 @@ def join_params(a: Any, b: Any) -> Any:
         out[k] = join_params(v, b[k]) if k in b else v
     return out
 
-
-def adapter_count(params: Mapping) -> int:
-    """Elements of a params pure dict's adapters."""
-    return sum(x.size for x in jax.tree.leaves(split_trainable(params)[0]))

@@ -129,13 +129,6 @@ def batch_sharding(mesh: Mesh, ndim: int, shape: Sequence[int] | None = None) ->
     return named_sharding(mesh, ("batch",) + (None,) * (ndim - 1), shape)
 
 
-def shard_batch(mesh: Mesh, tree):
-    """Places every array of a batch pytree with ``batch_sharding``."""
-    return jax.tree.map(
-        lambda x: jax.device_put(x, batch_sharding(mesh, np.ndim(x), np.shape(x))), tree
-    )
-
-
 def data_parallel_size(mesh: Mesh) -> int:
     return mesh.shape["data"] * mesh.shape["fsdp"]
 

@@ -39,16 +39,11 @@ from tppo_jax.config import Config, TrainConfig
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.train.batch import critic_update, init_value_bias, update_batch
 from tppo_jax.train.collect import Rollout, collect
+from tppo_jax.train.evals import eval_before, heldout_eval
+from tppo_jax.train.policy_view import policy_module
+from tppo_jax.train.resume import checkpoint_meta, checkpoint_trees
 from tppo_jax.train.run_dir import mirror
-from tppo_jax.train.setup import (
-    Run,
-    checkpoint_meta,
-    checkpoint_trees,
-    eval_before,
-    heldout_eval,
-    policy_module,
-    setup,
-)
+from tppo_jax.train.setup import Run, setup
 from tppo_jax.train.state import TrainState
 from tppo_jax.train.update import plan_cells
 from tppo_jax.train.value_pretrain import pretrain_value

@@ -9,7 +9,6 @@ metrics, and (``--resume``) the newest good checkpoint.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,19 +24,22 @@ from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.data.prompts import prompt_builder
 from tppo_jax.data.readers import MathExample
 from tppo_jax.data.sources import read_source
-from tppo_jax.eval.heldout import EvalEngines, evaluate
+from tppo_jax.eval.heldout import EvalEngines
 from tppo_jax.models.lora import add_lora, lora_spec
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.parallel.mesh import layout_rules, make_mesh, reshard
+from tppo_jax.parallel.mesh import layout_rules, make_mesh
 from tppo_jax.rewards.grader import MathGrader, answer_format_for
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 from tppo_jax.train.checkpoint import Checkpointer, record_model
 from tppo_jax.train.metrics import MetricsWriter
+from tppo_jax.train.policy_view import policy_module
+from tppo_jax.train.resume import restore
 from tppo_jax.train.run_claim import claim_run_dir
+from tppo_jax.train.run_config import run_config_text
 from tppo_jax.train.run_dir import (
     RunDir,
     pull,
@@ -49,12 +51,10 @@ from tppo_jax.train.state import TrainState, commit_to_mesh
 from tppo_jax.train.step import StepConfig, make_optimizer
 from tppo_jax.train.targets import Targets, make_targets
 from tppo_jax.train.trainable import (
-    saved_items,
     share_base,
     shares_base,
     trainable_keys,
     trained_part,
-    with_frozen,
 )
 from tppo_jax.train.update import Updater, make_updater
 from tppo_jax.train.wandb_log import wandb_settings
@@ -146,7 +146,7 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
     if resume:  # a bucket run's logs, so the resumed run appends to them (other hosts:
         pull(rd, only=None if primary else RUN_SUBDIR)  # only the warm-start they load)
     if primary:  # whole or not at all: a resume refuses a truncated config.yaml
-        write_atomic(rd.local / "config.yaml", cfg.to_yaml())
+        write_atomic(rd.local / "config.yaml", run_config_text(cfg))
     progress = progress and cfg.logging.progress
     m, r = cfg.mesh, cfg.rollout
     mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
@@ -251,87 +251,6 @@ def build_steps(run: Run, state: TrainState, tx_p: Any, tx_v: Any) -> Steps:
     watch = CompileWatch({"rollout_targets": targets_fn.values, "policy_update": policy_fn.grads,
                           "value_update": value_fn.grads})
     return Steps(targets_fn, policy_fn, value_fn, watch)
-
-
-def policy_module(run: Run, state: TrainState) -> nnx.Module:
-    """The policy for rollout and eval: the trained params, or (decode layout) a copy moved
-    to the decode shardings by one explicit reshard."""
-    params = state.policy
-    if run.decode_shardings is not None:
-        params = reshard(params, run.decode_shardings)
-    return nnx.merge(run.models.policy_def, params)
-
-
-def checkpoint_trees(run: Run, state: TrainState) -> dict[str, Any]:
-    """Every tree a checkpoint holds, by item name (also the templates a restore reads into);
-    with LoRA the models' items hold only what trains (``train/trainable.py``)."""
-    return {**saved_items(state.items(), run.cfg), **run.sched.checkpoint_items()}
-
-
-def checkpoint_meta(run: Run, step: int) -> dict[str, Any]:
-    """Each host's data iterator and scheduler state, gathered (process 0 writes it)."""
-    return {"step": step, "eval_before": run.eval_before, "num_processes": jax.process_count(),
-            "hosts": mh.gather_json({"data_state": run.pipeline.state_json(),
-                                     "scheduler": run.sched.host_state()})}
-
-
-def restore(run: Run, state: TrainState) -> TrainState:
-    """The newest checkpoint whose manifest verifies (damaged ones are reported, set aside):
-    params, optimizer states, data iterator and scheduler; ``state`` when there is none."""
-    restored = run.ckpt.restore_latest(checkpoint_trees(run, state))
-    if restored is None:
-        return state
-    _, trees, meta = restored
-    run.start = int(meta["step"])
-    state = TrainState.from_items(with_frozen(trees, state.items(), run.cfg), run.start,
-                                  run.mesh)
-    host = host_meta(meta)
-    run.pipeline.load_state_json(host["data_state"])
-    run.sched.restore(trees, host["scheduler"])
-    run.sched.set_policy(policy_module(run, state), run.sched.policy_version)
-    if "eval_before" in meta:
-        run.eval_before = meta["eval_before"]
-    log.info("resumed from step %d", run.start)
-    return state
-
-
-def host_meta(meta: dict[str, Any]) -> dict[str, Any]:
-    """This host's part of a checkpoint's metadata (data iterator and scheduler state)."""
-    if "hosts" not in meta:  # written by a single-host version without per-host state
-        return meta
-    n = int(meta.get("num_processes", len(meta["hosts"])))
-    if n != jax.process_count():
-        raise ConfigError(f"checkpoint at step {meta['step']} was written by {n} processes; "
-                          f"this run has {jax.process_count()} (per-host data and rollout "
-                          f"state cannot be re-split)")
-    return meta["hosts"][jax.process_index()]
-
-
-def heldout_eval(run: Run, state: TrainState) -> dict[str, float]:
-    """Held-out accuracy: avg@k sampled as in training (the headline) and greedy."""
-    cfg, r = run.cfg, run.cfg.rollout
-    kw = dict(max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len,
-              mesh=run.mesh, engines=run.eval_engines)
-    k, tok = cfg.train.eval_samples, run.models.tokenizer
-    sampled = evaluate(policy_module(run, state), tok, run.eval_rows, run.encode, run.grader,
-                       k=k, sampling=run.sampling, seed=cfg.train.seed, **kw)
-    greedy = evaluate(policy_module(run, state), tok, run.eval_rows, run.encode, run.grader,
-                      **kw)
-    return {"accuracy": sampled[f"avg@{k}"], "greedy_accuracy": greedy["avg@1"],
-            **sampled, **{f"greedy_{n}": v for n, v in greedy.items()}}
-
-
-def eval_before(run: Run, state: TrainState) -> dict[str, Any]:
-    """The held-out eval before training: from the checkpoint or the run dir on a resume,
-    else run now; written to ``eval_before.json``."""
-    if run.eval_before is None:
-        if run.start:
-            run.eval_before = json.loads((run.run_dir / "eval_before.json").read_text())
-        else:
-            run.eval_before = heldout_eval(run, state)
-    if run.primary:
-        (run.run_dir / "eval_before.json").write_text(json.dumps(run.eval_before))
-    return run.eval_before
 
 
 def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models:

@@ -1,0 +1,41 @@
+"""A training run's held-out eval: before training (kept in the checkpoint and
+``eval_before.json``), at the eval cadence and after."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from tppo_jax.eval.heldout import evaluate
+from tppo_jax.train.policy_view import policy_module
+from tppo_jax.train.state import TrainState
+
+if TYPE_CHECKING:
+    from tppo_jax.train.setup import Run
+
+
+def heldout_eval(run: Run, state: TrainState) -> dict[str, float]:
+    """Held-out accuracy: avg@k sampled as in training (the headline) and greedy."""
+    cfg, r = run.cfg, run.cfg.rollout
+    kw = dict(max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len,
+              mesh=run.mesh, engines=run.eval_engines)
+    k, tok = cfg.train.eval_samples, run.models.tokenizer
+    sampled = evaluate(policy_module(run, state), tok, run.eval_rows, run.encode, run.grader,
+                       k=k, sampling=run.sampling, seed=cfg.train.seed, **kw)
+    greedy = evaluate(policy_module(run, state), tok, run.eval_rows, run.encode, run.grader,
+                      **kw)
+    return {"accuracy": sampled[f"avg@{k}"], "greedy_accuracy": greedy["avg@1"],
+            **sampled, **{f"greedy_{n}": v for n, v in greedy.items()}}
+
+
+def eval_before(run: Run, state: TrainState) -> dict[str, Any]:
+    """The held-out eval before training: from the checkpoint or the run dir on a resume,
+    else run now; written to ``eval_before.json``."""
+    if run.eval_before is None:
+        if run.start:
+            run.eval_before = json.loads((run.run_dir / "eval_before.json").read_text())
+        else:
+            run.eval_before = heldout_eval(run, state)
+    if run.primary:
+        (run.run_dir / "eval_before.json").write_text(json.dumps(run.eval_before))
+    return run.eval_before
