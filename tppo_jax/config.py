@@ -138,6 +138,9 @@ class OptimConfig:
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.999
+    # AdamW's epsilon: an update is g / (sqrt(v) + eps), so a larger eps shrinks the steps of
+    # parameters whose gradients are tiny (mostly noise) more than the others
+    eps: float = 1e-8
     grad_clip: float = 1.0
     minibatches: int = 2
     grad_accum: int = 1  # micro-batches per optimizer step (gradient accumulation)

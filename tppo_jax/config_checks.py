@@ -114,6 +114,7 @@ RANGES: dict[str, Range] = {
     "optim.policy_lr": NON_NEGATIVE, "optim.value_lr": NON_NEGATIVE,
     "optim.warmup_steps": NON_NEGATIVE, "optim.weight_decay": NON_NEGATIVE,
     "optim.b1": Range(0, 1, hi_open=True), "optim.b2": Range(0, 1, hi_open=True),
+    "optim.eps": POSITIVE,
     "optim.grad_clip": NON_NEGATIVE,  # 0 = no clipping
     "optim.minibatches": POSITIVE, "optim.grad_accum": POSITIVE, "optim.epochs": POSITIVE,
     "optim.value_epochs": POSITIVE,

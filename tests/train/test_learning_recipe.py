@@ -122,3 +122,22 @@ def test_group_advantage_replaces_egae_on_finished_rows_with_siblings():
     np.testing.assert_allclose(g[2], c[2])  # unfinished: EGAE
     np.testing.assert_allclose(g[3], c[3])  # no sibling: EGAE
     assert not np.allclose(g[0], c[0])
+
+
+def test_adam_eps_shrinks_the_steps_of_tiny_gradients_only():
+    """``optim.eps``: the first AdamW step is lr * g / (|g| + eps) per parameter (after the
+    bias correction), so a gradient far below eps barely moves its parameter while one far
+    above still takes a full step."""
+    import jax.numpy as jnp
+
+    from tppo_jax.config import OptimConfig
+    from tppo_jax.train.step import make_optimizer
+
+    g = {"w": jnp.array([1e-6, 1.0])}
+    for eps in (1e-8, 1e-3):
+        want = [1e-6 / (1e-6 + eps), 1.0 / (1.0 + eps)]
+        optim = OptimConfig(warmup_steps=0, grad_clip=0.0, eps=eps)
+        tx = make_optimizer(1.0, optim)
+        step, _ = tx.update(g, tx.init(g), {"w": jnp.zeros(2)})
+        np.testing.assert_allclose(-step["w"], want, rtol=1e-4)
+        assert (want[0] > 0.99) == (eps < 1e-6)  # tiny gradients: a full step only at 1e-8

@@ -61,7 +61,7 @@ def make_optimizer(lr: float, optim: OptimConfig, epochs: int | None = None
     """AdamW on ``lr_schedule`` (``epochs`` passes per step) after global-norm clipping."""
     parts = [optax.clip_by_global_norm(optim.grad_clip)] if optim.grad_clip > 0 else []
     parts.append(optax.adamw(lr_schedule(lr, optim, epochs), b1=optim.b1, b2=optim.b2,
-                             weight_decay=optim.weight_decay))
+                             eps=optim.eps, weight_decay=optim.weight_decay))
     return optax.chain(*parts)
 
 

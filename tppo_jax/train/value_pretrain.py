@@ -58,7 +58,7 @@ SEED_OFFSET = 7919  # its prompts and samples are not the run's first steps'
 # The critic's own settings: the ones in the key (the policy-side knobs do not touch it).
 _ALGO_KEYS = ("gamma", "lam_critic", "value_clip_low", "value_clip_high", "loss_aggregation",
               "value_pretrain_steps", "value_bias_init")
-_OPTIM_KEYS = ("value_lr", "warmup_steps", "weight_decay", "b1", "b2", "grad_clip",
+_OPTIM_KEYS = ("value_lr", "warmup_steps", "weight_decay", "b1", "b2", "eps", "grad_clip",
                "minibatches", "grad_accum", "epochs", "value_epochs")
 
 
