@@ -11,7 +11,7 @@ adapter forward (adapters apart, not merged), on the chat-templated held-out pro
 - ``peft_rule_vs_merged``: ``W + alpha/r B A`` from ``OUT/adapter`` on the base's HF
   weights (``tppo convert`` of the GGUF), tensor by tensor, against the merged weights;
 - ``transformers_generate``: greedy tokens of transformers' ``generate`` on the export against
-  ours, and whether it stopped on the exported EOS ids.
+  the rollout engine's on the run's adapters, and whether it stopped on the exported EOS ids.
 
     tppo bench lora-export --torch-python /path/to/venv/bin/python
 
@@ -76,11 +76,14 @@ def _train(args: argparse.Namespace, run_dir: Path) -> float:
 
 def _ours(run_dir: Path, n: int) -> tuple[list[list[int]], list[np.ndarray], list[list[int]],
                                           dict]:
-    """Held-out prompt ids, the run's adapter-forward logits and greedy tokens."""
+    """Held-out prompt ids, the run's adapter-forward logits and greedy tokens (through the
+    rollout engine, as the held-out eval decodes)."""
     import jax.numpy as jnp
 
     from tppo_jax.cli.runs import load_run_policy
     from tppo_jax.data.prompts import prompt_builder
+    from tppo_jax.eval.heldout import generate_answers
+    from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.train.setup import load_data
 
     cfg, tok, policy, step, _ = load_run_policy(run_dir, None, merge_lora=False)
@@ -88,20 +91,13 @@ def _ours(run_dir: Path, n: int) -> tuple[list[list[int]], list[np.ndarray], lis
     prompter = prompt_builder(cfg, tok)
     rows = [prompter.ids(e, tok) for e in load_data(cfg)[1][:n]]
     logits = [np.asarray(policy(jnp.asarray([ids]))[0]) for ids in rows]
-    greedy = [_greedy(policy, ids, GREEDY_TOKENS, set(tok.eos_ids)) for ids in rows]
+    # The engine that trains and evaluates decodes the adapters as they are (not merged).
+    greedy = generate_answers(policy, tok, rows, max_prompt_len=max(map(len, rows)),
+                              max_response_len=GREEDY_TOKENS, sampling=SamplingParams(greedy=True),
+                              batch_size=len(rows))
     return rows, logits, greedy, {"step": step, "lora_rank": cfg.model.lora_rank,
                                   "lora_alpha": cfg.model.lora_alpha, "eos_ids": tok.eos_ids,
                                   "source": cfg.model.source, "path": cfg.model.path}
-
-
-def _greedy(model, ids: list[int], n: int, eos: set[int]) -> list[int]:
-    """Greedy tokens by full forwards (no cache): the plainest reference there is."""
-    import jax.numpy as jnp
-
-    out: list[int] = []
-    while len(out) < n and not (out and out[-1] in eos):
-        out.append(int(jnp.argmax(model(jnp.asarray([ids + out]))[0, -1])))
-    return out
 
 
 def _peft_rule(base: Path, export: Path, alpha: float) -> float:
