@@ -77,13 +77,8 @@ def offline_runs(wandb_dir: Path, run_id: str) -> list[dict]:
     return out
 
 
-@pytest.fixture
-def offline(wandb_offline) -> Path:
-    return wandb_offline
-
-
 def test_an_offline_run_holds_the_steps_samples_and_config_and_a_resume_continues_it(
-        tmp_path, offline):
+        tmp_path, wandb_offline):
     cfg = load_config(None, ["logging.wandb=true", "logging.wandb_project=tppo-test",
                              "logging.wandb_name=probe"])
     run_dir = tmp_path / "run"
@@ -94,7 +89,7 @@ def test_an_offline_run_holds_the_steps_samples_and_config_and_a_resume_continue
     m.write_samples(3, [SAMPLE])
     m.close()
     run_id = (run_dir / ID_FILE).read_text().strip()
-    (first,) = offline_runs(offline, run_id)
+    (first,) = offline_runs(wandb_offline, run_id)
     assert (first["run"].project, first["run"].display_name) == ("tppo-test", "probe")
     assert first["config"]["logging"]["wandb"] is True
     assert first["config"]["rollout"]["window"] == cfg.rollout.window
@@ -109,7 +104,7 @@ def test_an_offline_run_holds_the_steps_samples_and_config_and_a_resume_continue
     m.write(4, {"reward_mean": 0.9})
     m.close()
     assert (run_dir / ID_FILE).read_text().strip() == run_id
-    first, second = offline_runs(offline, run_id)
+    first, second = offline_runs(wandb_offline, run_id)
     assert second["run"].run_id == run_id
     assert {s: r["reward_mean"] for s, r in second["history"].items()} == {3: 0.7, 4: 0.9}
 

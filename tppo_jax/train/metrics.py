@@ -208,8 +208,7 @@ def _kept_rows(path: Path, step: int) -> list[str]:
             cut += 1
             continue
         row_step = row.get("step") if isinstance(row, dict) else None
-        if not isinstance(row_step, int | float) or isinstance(row_step, bool) or (
-                row_step <= step):
+        if not (type(row_step) in (int, float) and row_step > step):
             kept.append(line)
     if cut:
         log.warning("%s: dropped %d line(s) that do not parse", path, cut)
