@@ -19,6 +19,7 @@ import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
 # isort: split
 from jetstream.engine import token_utils
 
+from tppo_jax.config import RolloutConfig
 from tppo_jax.data.readers import MathExample
 from tppo_jax.eval.heldout import generate_answers
 from tppo_jax.models.hf import from_pretrained
@@ -65,11 +66,12 @@ def test_training_scheduler_matches_transformers(case, kv_cache):
     model, ref = case
     rows = ref["rows"]
     examples = [MathExample(id=str(i), question=str(i), answer="0") for i in range(len(rows))]
+    rollout = RolloutConfig(prompts_per_step=4, group_size=1, max_prompt_len=72,
+                            max_response_len=ref["max_new_tokens"], window=7, kv_policy="keep",
+                            kv_cache=kv_cache, page_size=16)
     sched = TruncatedRolloutScheduler(
-        model, itertools.cycle(examples), lambda e: rows[int(e.question)]["prompt"], slots=4,
-        group_size=1, max_prompt_len=72, max_response_len=ref["max_new_tokens"], window=7,
-        eos_ids=(ref["eos"],), sampling=GREEDY, kv_policy="keep", kv_cache=kv_cache,
-        page_size=16)
+        model, itertools.cycle(examples), lambda e: rows[int(e.question)]["prompt"], rollout,
+        eos_ids=(ref["eos"],), sampling=GREEDY)
     got: dict[int, list[int]] = {}
     while len(got) < len(rows):
         rb = sched.step()

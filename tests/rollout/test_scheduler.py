@@ -5,9 +5,11 @@ import itertools
 import numpy as np
 import pytest
 
+from tppo_jax.config import RolloutConfig
 from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.rollout.decode import SamplingParams
+from tppo_jax.rollout.engine import DecodeEngine
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 
 EOS = 1
@@ -18,10 +20,11 @@ def _scheduler(window, L=24, slots=6, group=2, kv="keep", seed=0, cache="dense",
     examples = itertools.cycle(task.sample(50))
     model = create_model(ModelConfig.tiny(vocab_size=48), seed=seed)
     encode = lambda e: [2 + (ord(c) % 40) for c in e.question][:12]  # noqa: E731
-    return TruncatedRolloutScheduler(
-        model, examples, encode, slots=slots, group_size=group, max_prompt_len=12,
-        max_response_len=L, window=window, eos_ids=(EOS,), sampling=SamplingParams(),
-        kv_policy=kv, seed=seed, kv_cache=cache, page_size=4, num_pages=pages)
+    rollout = RolloutConfig(prompts_per_step=slots // group, group_size=group, max_prompt_len=12,
+                            max_response_len=L, window=window, kv_policy=kv, kv_cache=cache,
+                            page_size=4, num_pages=pages)
+    return TruncatedRolloutScheduler(model, examples, encode, rollout, eos_ids=(EOS,),
+                                     sampling=SamplingParams(), seed=seed)
 
 
 @pytest.mark.parametrize("kv,cache", [("keep", "dense"), ("reprefill", "dense"),
@@ -193,3 +196,60 @@ def test_prefill_runs_over_the_columns_it_needs(kv):
         assert set(widths) == {32}
     else:  # continuations are re-prefilled over their grown context
         assert max(widths) > 32
+
+
+# One owner per slot fact: the engine's decode state holds each slot's pending token, position,
+# response length, liveness and `finished`; the scheduler sets them only when a sequence enters
+# a slot and reads them back; sequence ids come from `DecodeEngine.new_seq_ids` alone.
+@pytest.mark.parametrize("kv,cache", [("keep", "dense"), ("reprefill", "dense"),
+                                      ("keep", "paged")])
+def test_engine_state_follows_the_record_without_being_pushed(kv, cache):
+    s = _scheduler(window=8, L=24, kv=kv, cache=cache)
+    for _ in range(7):
+        rb = s.step()
+        position, generated, live = (np.asarray(x) for x in
+                                     (s.ds.position, s.ds.generated, s.ds.live))
+        response = rb.total_len - rb.prompt_len
+        decoding = s.state.live & ~rb.finished
+        np.testing.assert_array_equal(live, decoding)
+        np.testing.assert_array_equal(position[decoding], rb.total_len[decoding] - 1)
+        np.testing.assert_array_equal(generated[decoding], response[decoding])
+        last = rb.tokens[np.arange(s.B), np.maximum(rb.total_len - 1, 0)]
+        # finished is the engine's: EOS, or L response tokens; nothing else ends a row
+        ended = s.state.live & ((last == EOS) & (rb.window_len > 0) | (response >= s.L))
+        np.testing.assert_array_equal(rb.finished, ended)
+        s.release_finished(rb.finished)
+
+
+def test_sequence_ids_are_minted_once_and_survive_a_restore():
+    s = _scheduler(window=8, L=24)
+    seen: set[int] = set()
+    for _ in range(4):
+        rb = s.step()
+        seen |= set(s.state.seq_id[s.state.live].tolist())
+        s.release_finished(rb.finished)
+    assert seen == set(range(s.engine.next_seq))  # every id minted was used, none twice
+    saved = s.state_dict()
+    t = _scheduler(window=8, L=24)
+    t.load_state_dict(saved)
+    assert t.engine.next_seq == s.engine.next_seq
+    s.step()
+    t.step()
+    np.testing.assert_array_equal(t.state.seq_id, s.state.seq_id)
+
+
+def test_engine_finishes_a_sequence_at_max_new_tokens():
+    model = create_model(ModelConfig.tiny(vocab_size=48), seed=0)
+    eng = DecodeEngine(model, eos_ids=(), max_slots=2, max_target_length=40, max_new_tokens=5,
+                       kv_cache="dense", sampling=SamplingParams())
+    params = eng.load_params()
+    tokens = np.array([[3, 4, 5, 6], [7, 8, 9, 0]], np.int32)
+    ds, _ = eng.prefill_prompts(params, tokens, np.array([4, 3]))
+    ds, out = eng.generate_window(ds, params, 3)
+    assert np.asarray(out.count).tolist() == [3, 3] and not np.asarray(out.finished).any()
+    ds, out = eng.generate_window(ds, params, 3)
+    assert np.asarray(out.count).tolist() == [2, 2]  # the window stops at the 5th token
+    assert np.asarray(out.finished).all() and not np.asarray(ds.live).any()
+    assert np.asarray(ds.generated).tolist() == [5, 5]
+    ids = eng.new_seq_ids(3)
+    assert ids.dtype == np.uint32 and ids.tolist() == [0, 1, 2] and eng.next_seq == 3

@@ -13,11 +13,18 @@ The cache is dense (one row per slot; works across hosts) or paged (one shared p
 
 Operations: per request, ``prefill`` one prompt into a ``Prefix`` and ``insert`` it into a
 slot (``insert_group``: G samples sharing its pages), then ``generate_step`` (one token per
-live slot). Batched, for callers that keep their own host state (the scheduler): ``sync``
-(set the per-slot vectors), ``prefill_slots`` (prefill many rows straight into their slots),
+live slot). Batched, for a caller that keeps a host record of each slot's tokens (the
+scheduler): ``place_rows`` (a sequence enters its slot: pending token, position, response
+length, sequence id), ``prefill_slots`` (prefill many rows straight into their slots),
 ``share_prompt``, ``generate_window`` (the truncated-rollout window: up to ``l`` tokens per
 slot in one jitted loop) and ``free_slots``. A batch of prompts from scratch:
 ``prefill_prompts`` and ``decode_prompts``.
+
+The decode state is the one owner of each slot's pending token, position, response length,
+liveness and ``finished`` (EOS, ``max_new_tokens`` generated, or the slot full): a caller sets
+them when a sequence enters a slot and reads them back from the window's result, never
+pushes them again. Sequence ids (each one seeds its sampling stream) are minted only by
+``new_seq_ids``, unique over hosts.
 """
 
 from __future__ import annotations
@@ -89,8 +96,8 @@ class DecodeState:
 
 class WindowResult(NamedTuple):
     """One ``generate_window`` call. tokens/logprobs: ``[S, W]`` (0 after count); count:
-    ``[S]``; hit_eos / finished (EOS or the slot is full; its pages freed) / stalled (no pages
-    this window; still live): ``[S]`` bool; version, steps: () int32."""
+    ``[S]``; hit_eos / finished (EOS, ``max_new_tokens`` or the slot full; its pages freed) /
+    stalled (no pages this window; still live): ``[S]`` bool; version, steps: () int32."""
 
     tokens: Array
     logprobs: Array
@@ -110,6 +117,8 @@ class DecodeEngine:
       eos_ids: the stop tokens (empty: every sequence runs to its budget or the slot's end).
       max_slots: concurrent sequences S (global over hosts for a dense cache on a mesh).
       max_target_length: prompt + generated positions per slot (paged: whole pages).
+      max_new_tokens: a sequence is finished once it has generated this many (0: when its
+        slot is full); the truncated rollout's L.
       kv_cache: ``paged`` (page_size, num_pages: 0 = every slot at full length), ``dense``, or
         ``auto`` (``kv_slots.resolve_kind``: paged on TPU/GPU, dense on CPU).
       sampling: static ``SamplingParams``; seed: the PRNG key every sampling stream derives
@@ -119,8 +128,9 @@ class DecodeEngine:
     """
 
     def __init__(self, model: nnx.Module, *, eos_ids: Sequence[int], max_slots: int = 8,
-                 max_target_length: int = 512, kv_cache: str = "paged", page_size: int = 16,
-                 num_pages: int = 0, sampling: SamplingParams | None = None, seed: int = 0,
+                 max_target_length: int = 512, max_new_tokens: int = 0,
+                 kv_cache: str = "paged", page_size: int = 16, num_pages: int = 0,
+                 sampling: SamplingParams | None = None, seed: int = 0,
                  mesh: Mesh | None = None, attn_impl: str = "auto") -> None:
         if kv_cache not in ("paged", "dense", "auto"):
             raise ValueError(f"kv_cache must be 'paged', 'dense' or 'auto', got {kv_cache!r}")
@@ -133,6 +143,7 @@ class DecodeEngine:
         if kv_cache == "paged":
             max_target_length = -(-max_target_length // page_size) * page_size
         self.max_target_length = max_target_length
+        self.max_new_tokens = max_new_tokens or max_target_length
         self.num_pages = num_pages or max_slots * (max_target_length // page_size)
         self._slots, self._seed, self._impl = max_slots, seed, attn_impl
         self._cache_mesh = mesh
@@ -144,6 +155,7 @@ class DecodeEngine:
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=0)
         self._prefill_slots_fn = jax.jit(self._prefill_slots_impl, donate_argnums=1)
         self._share_fn = jax.jit(self._share_impl, donate_argnums=0)
+        self._place_fn = jax.jit(self._place_impl, donate_argnums=0)
         self._window_fn = jax.jit(self._window_impl, static_argnums=2, donate_argnums=0)
         self._step_fn = jax.jit(self._step_impl, donate_argnums=0)
         self._free_fn = jax.jit(lambda ds, m: ds.replace(cache=kv_slots.free(ds.cache, m),
@@ -208,12 +220,39 @@ class DecodeEngine:
     def _model(self, params: EngineParams) -> nnx.Module:
         return nnx.merge(self._graphdef, params.state)
 
-    def sync(self, ds: DecodeState, *, next_token: Array, position: Array, generated: Array,
-             seq_id: Array, live: Array) -> DecodeState:
-        """Sets the per-slot vectors from a caller's own bookkeeping (the scheduler's host
-        state is the source of truth for which slot holds what)."""
-        return ds.replace(next_token=next_token, position=position, generated=generated,
-                          seq_id=seq_id, live=live)
+    @property
+    def next_seq(self) -> int:
+        """How many sequence ids this host has minted (a checkpoint saves it)."""
+        return self._next_seq
+
+    @next_seq.setter
+    def next_seq(self, n: int) -> None:
+        self._next_seq = int(n)
+
+    def new_seq_ids(self, n: int) -> np.ndarray:
+        """``n`` fresh sequence ids (``[n]`` uint32), unique over hosts: each seeds one
+        sequence's sampling stream, so no two sequences of a run sample alike."""
+        k = self._next_seq + np.arange(n)
+        self._next_seq += n
+        return (k * jax.process_count() + jax.process_index()).astype(np.uint32)
+
+    def _place_impl(self, ds: DecodeState, rows: Array, next_token: Array, position: Array,
+                    generated: Array, seq_id: Array) -> DecodeState:
+        at = lambda new, old: jnp.where(rows, new, old)  # noqa: E731
+        return ds.replace(next_token=at(next_token, ds.next_token),
+                          position=at(position, ds.position),
+                          generated=at(generated, ds.generated), seq_id=at(seq_id, ds.seq_id),
+                          live=ds.live | rows)
+
+    def place_rows(self, decode_state: DecodeState, rows: Array, *, next_token: Array,
+                   position: Array, generated: Array, seq_id: Array) -> DecodeState:
+        """Sequences enter the slots of ``rows [S]``: each one's pending token, its position
+        (= tokens cached), response tokens so far and sequence id (``[S]`` each; other slots
+        untouched); they are live from now on. For a new prompt or a restored sequence; its
+        cache comes from ``prefill_slots`` (or a restored cache). ``decode_state`` is
+        donated."""
+        return self._place_fn(decode_state, rows, next_token, position, generated,
+                              seq_id.astype(jnp.uint32))
 
     # ------------------------------------------------------------------ prefill / insert
     def _prefill_impl(self, params: EngineParams, tokens: Array, true_length: Array) -> Prefix:
@@ -247,9 +286,7 @@ class DecodeEngine:
                           seq_id=at(ds.seq_id, seq_id)), ok
 
     def _new_seq(self, seq_id: int | None) -> Array:
-        if seq_id is None:
-            seq_id, self._next_seq = self._next_seq, self._next_seq + 1
-        return jnp.uint32(seq_id)
+        return jnp.uint32(self.new_seq_ids(1)[0] if seq_id is None else seq_id)
 
     def try_insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
                    seq_id: int | None = None) -> tuple[DecodeState, bool]:
@@ -319,8 +356,7 @@ class DecodeEngine:
         dst = np.zeros(self._slots, bool)
         dst[list(slots[1:])] = True
         ids = np.zeros(self._slots, np.uint32)
-        ids[list(slots[1:])] = np.arange(self._next_seq, self._next_seq + len(slots) - 1)
-        self._next_seq += len(slots) - 1
+        ids[list(slots[1:])] = self.new_seq_ids(len(slots) - 1)
         ds, ok = self.share_prompt(ds, slots[0], dst, ids)
         return ds, np.concatenate([[True], ok[list(slots[1:])]])
 
@@ -337,7 +373,8 @@ class DecodeEngine:
     # ------------------------------------------------------------------ decode
     def _window_impl(self, ds: DecodeState, params: EngineParams, num_steps: int,
                      budget: Array, first: Array) -> tuple[DecodeState, WindowResult]:
-        room = jnp.clip(self.max_target_length - ds.position, 0, num_steps)
+        room = jnp.clip(jnp.minimum(self.max_target_length - ds.position,
+                                    self.max_new_tokens - ds.generated), 0, num_steps)
         n = jnp.minimum(budget, room)
         want = ds.live & (n > 0)
         cache, ok = kv_slots.reserve_window(ds.cache, ds.position + n, want & first,
@@ -347,11 +384,12 @@ class DecodeEngine:
                                    ds.generated, ds.seq_id, n, ds.rng, window=num_steps,
                                    eos_ids=self.eos_ids, params=self.sampling)
         last = jnp.take_along_axis(out.tokens, jnp.maximum(out.count - 1, 0)[:, None], 1)[:, 0]
-        position = ds.position + out.count
-        finished = ds.live & (out.hit_eos | (position >= self.max_target_length))
+        position, generated = ds.position + out.count, ds.generated + out.count
+        finished = ds.live & (out.hit_eos | (position >= self.max_target_length)
+                              | (generated >= self.max_new_tokens))
         ds = ds.replace(cache=kv_slots.free(cache, finished), live=ds.live & ~finished,
                         next_token=jnp.where(out.count > 0, last, ds.next_token),
-                        position=position, generated=ds.generated + out.count)
+                        position=position, generated=generated)
         return ds, WindowResult(out.tokens, out.logprobs, out.count, out.hit_eos, finished,
                                 want & ~ok, params.version, out.steps)
 
@@ -393,7 +431,8 @@ class DecodeEngine:
         """A fresh decode state with prompt row ``r`` (``tokens[r, :lengths[r]]``; this host's
         ``[S_local, T]`` rows) prefilled into slot ``r``, every slot live.
 
-        seq_ids: each row's sampling stream (default: its row index over all hosts); seed:
+        seq_ids: each row's sampling stream (default: its row index over all hosts, not a
+        minted id, so a batch samples the same whatever the engine decoded before); seed:
         the PRNG key (default: the engine's ``seed``). Returns ``(state, ok [S])``; a paged
         slot that got no pages is not live (it generates nothing)."""
         tokens, lengths = np.asarray(tokens), np.asarray(lengths, np.int32)
@@ -403,11 +442,12 @@ class DecodeEngine:
         ds = self.init_decode_state()
         if seed is not None:
             ds = ds.replace(rng=jax.random.PRNGKey(seed))
-        live = np.ones(n, bool)
-        ds = self.sync(ds, next_token=put(tokens[np.arange(n), np.maximum(lengths - 1, 0)]),
-                       position=put(lengths - 1), generated=put(np.zeros(n, np.int32)),
-                       seq_id=put(np.asarray(seq_ids, np.uint32)), live=put(live))
-        ds, ok = self.prefill_slots(params, ds, put(tokens), put(lengths), put(live))
+        live = put(np.ones(n, bool))
+        pending = tokens[np.arange(n), np.maximum(lengths - 1, 0)]
+        ds = self.place_rows(ds, live, next_token=put(pending), position=put(lengths - 1),
+                             generated=put(np.zeros(n, np.int32)),
+                             seq_id=put(np.asarray(seq_ids, np.uint32)))
+        ds, ok = self.prefill_slots(params, ds, put(tokens), put(lengths), live)
         if kv_slots.is_paged(ds.cache):
             ds = ds.replace(live=ds.live & ok)
         return ds, ok

@@ -5,9 +5,14 @@ Each ``step()``:
    leave their slot, so they are "first" by construction);
 2. generates at most ``window`` new tokens in every slot through the decode engine
    (``rollout.engine.DecodeEngine``: batched prefill into slots, then one jitted window);
-3. marks rows finished (EOS, or the K-th window full, i.e. ``L`` response tokens);
+3. reads which rows finished (EOS, or ``L`` response tokens: the K-th window full) from
+   the engine, which owns each slot's decode position, pending token and liveness;
 4. returns a ``RolloutBatch`` of every slot; the caller grades finished rows, trains,
    then calls ``release_finished()`` so their slots take new prompts next step.
+
+The host keeps the record the trainer needs (every slot's tokens, sampling log-probs and
+policy versions) and which slots are occupied; it tells the engine about a sequence only
+when one enters a slot (``DecodeEngine.place_rows``) and reads the rest back.
 
 The scheduler knows nothing about losses. With ``window >= L`` it is synchronous PPO:
 every row finishes in its first window, and the slot-steps spent waiting for the
@@ -19,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +32,7 @@ import numpy as np
 from flax import nnx, serialization
 
 from tppo_jax.buckets import bucket_width
+from tppo_jax.config import RolloutConfig
 from tppo_jax.data.readers import MathExample
 from tppo_jax.parallel.multihost import (
     check_batch_layout,
@@ -80,11 +86,13 @@ class SlotState:
     prompt_len: np.ndarray  # [B]
     total_len: np.ndarray  # [B]
     windows_done: np.ndarray  # [B] windows generated so far
-    live: np.ndarray  # [B] bool: holds an unfinished sequence
+    # [B] bool: occupied, a sequence the caller has not released (whether it still decodes
+    # is the engine's ``live``)
+    live: np.ndarray
     sample_logprobs: np.ndarray  # [B, S]
     policy_version: np.ndarray  # [B, S]
     group_id: np.ndarray  # [B]
-    seq_id: np.ndarray  # [B] stable id per sequence (drives its RNG stream)
+    seq_id: np.ndarray  # [B] the sequence's id (``DecodeEngine.new_seq_ids``; its RNG stream)
     example_index: np.ndarray  # [B] index into `examples`
 
     @classmethod
@@ -105,53 +113,50 @@ class TruncatedRolloutScheduler:
       model: the policy (NNX ``Transformer``); replaced by ``set_policy`` after updates.
       prompts: an iterator of ``MathExample``s (the data pipeline).
       encode_prompt: ``MathExample -> list[int]`` prompt token ids.
-      slots: B, over all hosts; with several processes each host owns ``B / P`` of them
-        (its own prompts, host state and grading) and device arrays are global.
-      group_size: G samples per prompt.
-      kv_policy: ``keep`` reuses the cache computed under older weights; ``reprefill``
-        recomputes every continuing row's cache under the current weights (exact).
+      rollout: the run's ``rollout`` config section. Its slots B count over all hosts: with
+        several processes each host owns ``B / P`` of them (its own prompts, host state and
+        grading) and device arrays are global. ``kv_policy``: ``keep`` reuses the cache
+        computed under older weights; ``reprefill`` recomputes every continuing row's cache
+        under the current weights (exact). ``kv_cache``: ``dense`` (one ``[S]`` row per
+        slot), ``auto`` (``kv_slots.resolve_kind``) or ``paged`` (a shared pool of
+        ``num_pages`` pages of ``page_size`` tokens). When the pool is short, continuations
+        get their pages first and fewer fresh prompts are admitted (their slots sit idle
+        this step); no live page is ever overwritten.
+      eos_ids, sampling, seed: the stop tokens, how tokens are drawn, the sampling key.
       mesh: lay the KV cache out on this mesh (slots split over data/fsdp).
-      kv_cache: ``dense`` (one ``[S]`` row per slot), ``auto`` (``kv_slots.resolve_kind``) or
-        ``paged`` (a shared pool of
-        ``num_pages`` pages of ``page_size`` tokens; 0 = enough for every slot at full
-        length). When the pool is short, continuations get their pages first and fewer
-        fresh prompts are admitted (their slots sit idle this step); no live page is
-        ever overwritten.
     """
 
     def __init__(self, model: nnx.Module, prompts: Iterator[MathExample],
-                 encode_prompt: Callable[[MathExample], list[int]], *, slots: int,
-                 group_size: int, max_prompt_len: int, max_response_len: int, window: int,
-                 eos_ids: tuple[int, ...], sampling: SamplingParams,
-                 kv_policy: Literal["keep", "reprefill"], seed: int = 0, mesh: Any = None,
-                 kv_cache: Literal["auto", "dense", "paged"] = "dense", page_size: int = 16,
-                 num_pages: int = 0) -> None:
+                 encode_prompt: Callable[[MathExample], list[int]], rollout: RolloutConfig,
+                 *, eos_ids: tuple[int, ...], sampling: SamplingParams, seed: int = 0,
+                 mesh: Any = None) -> None:
+        r = rollout
         self.prompts = prompts
         self.encode_prompt = encode_prompt
-        self.G = group_size
-        self.B_global = slots
-        self.B = slots // jax.process_count()  # slots this host manages
+        self.G = r.group_size
+        self.B_global = r.slots
+        self.B = r.slots // jax.process_count()  # slots this host manages
+        self.kv_cache = kv_cache = kv_slots.resolve_kind(r.kv_cache)
         if jax.process_count() > 1:
             if mesh is None or kv_cache == "paged":
                 raise ValueError("several processes need a mesh and the dense KV cache")
-            check_batch_layout(mesh, slots)
-        self.P, self.L = max_prompt_len, max_response_len
-        self.window = min(window, max_response_len)
-        self.K = -(-max_response_len // self.window)
-        self.S = max_prompt_len + max_response_len
-        self.kv_policy = kv_policy
-        self.kv_cache = kv_cache = kv_slots.resolve_kind(kv_cache)
+            check_batch_layout(mesh, r.slots)
+        self.P, self.L = r.max_prompt_len, r.max_response_len
+        self.window = min(r.window, r.max_response_len)
+        self.K = r.num_windows
+        self.S = r.max_prompt_len + r.max_response_len
+        self.kv_policy = r.kv_policy
         self.mesh = mesh
-        self.engine = DecodeEngine(model, eos_ids=eos_ids, max_slots=slots,
-                                   max_target_length=self.S, kv_cache=kv_cache,
-                                   page_size=page_size, num_pages=num_pages, sampling=sampling,
-                                   seed=seed, mesh=mesh if kv_cache == "dense" else None)
+        self.engine = DecodeEngine(model, eos_ids=eos_ids, max_slots=r.slots,
+                                   max_target_length=self.S, max_new_tokens=self.L,
+                                   kv_cache=kv_cache, page_size=r.page_size,
+                                   num_pages=r.num_pages, sampling=sampling, seed=seed,
+                                   mesh=mesh if kv_cache == "dense" else None)
         self.ds = self.engine.init_decode_state()
         self.state = SlotState.empty(self.B, self.S)
         self.examples: dict[int, MathExample] = {}
         self.set_policy(model, 0)
         self.step_count = 0
-        self._next_seq = 0
         self._next_group = 0
         self.stats: dict[str, float] = {"slot_steps": 0.0, "useful_tokens": 0.0}
         self._force_prefill = False
@@ -243,9 +248,7 @@ class TruncatedRolloutScheduler:
             st.sample_logprobs[r] = 0.0
             st.policy_version[r] = -1
             st.group_id[r] = gid
-            # Globally unique over hosts: it seeds the row's sampling stream.
-            st.seq_id[r] = self._next_seq * jax.process_count() + jax.process_index()
-            self._next_seq += 1
+            st.seq_id[r] = self.engine.new_seq_ids(1)[0]
             new_rows[r] = True
         return new_rows
 
@@ -260,15 +263,18 @@ class TruncatedRolloutScheduler:
         self.examples = {g: e for g, e in self.examples.items() if g in live_groups}
 
     # ---------------------------------------------------------------------------- step
-    def _sync_engine(self) -> None:
-        """The engine's per-slot vectors from the host state (the cache invariant: position
-        ``total_len - 1`` holds the pending token)."""
+    def _place(self, rows: np.ndarray) -> None:
+        """Tells the engine which sequences entered the slots of ``rows`` (new prompts; after
+        a restore, every occupied slot): the cache invariant puts the pending token at
+        position ``total_len - 1``. From then on the engine advances them itself."""
         st, put = self.state, self._put
+        if not rows.any() and jax.process_count() == 1:  # hosts must make the same calls
+            return
         last = np.maximum(st.total_len - 1, 0)
-        self.ds = self.engine.sync(
-            self.ds, next_token=put(st.tokens[np.arange(self.B), last]), position=put(last),
-            generated=put((st.total_len - st.prompt_len).astype(np.int32)),
-            seq_id=put(st.seq_id.astype(np.uint32)), live=put(st.live.copy()))
+        self.ds = self.engine.place_rows(
+            self.ds, put(rows.copy()), next_token=put(st.tokens[np.arange(self.B), last]),
+            position=put(last), generated=put((st.total_len - st.prompt_len).astype(np.int32)),
+            seq_id=put(st.seq_id.astype(np.uint32)))
 
     def _prefill(self, new_rows: np.ndarray) -> None:
         """New prompts (and, with ``reprefill``, every continuation) into their slots."""
@@ -298,15 +304,15 @@ class TruncatedRolloutScheduler:
     def step(self) -> RolloutBatch:
         st = self.state
         new_rows = self._admit()
-        self._sync_engine()
+        self._place(new_rows)
         self._prefill(new_rows)
         budget = np.where(st.live, np.minimum(self.window, st.prompt_len + self.L - st.total_len),
                           0).astype(np.int32)
         self.ds, out = self.engine.generate_window(
             self.ds, self.params, self.window, budget=self._put(budget),
             first=self._put(st.live & ~new_rows))
-        toks, lps, count, hit_eos, stalled, steps = self._host_rows(
-            (out.tokens, out.logprobs, out.count, out.hit_eos, out.stalled, out.steps))
+        toks, lps, count, finished, stalled, steps = self._host_rows(
+            (out.tokens, out.logprobs, out.count, out.finished, out.stalled, out.steps))
         active = st.live & ~stalled
         window_start = st.total_len.copy()
         for r in range(self.B):
@@ -318,8 +324,6 @@ class TruncatedRolloutScheduler:
         st.total_len += count
         window_index = st.windows_done.copy()
         st.windows_done += active
-        response_len = st.total_len - st.prompt_len
-        finished = active & (hit_eos | (response_len >= self.L) | (st.windows_done >= self.K))
         self.step_count += 1
         self.stats["slot_steps"] += float(self.B * int(steps))
         self.stats["useful_tokens"] += float(count.sum())
@@ -336,7 +340,7 @@ class TruncatedRolloutScheduler:
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         return {"slots": self.state.to_dict(), "step_count": self.step_count,
-                "next_seq": self._next_seq, "next_group": self._next_group,
+                "next_seq": self.engine.next_seq, "next_group": self._next_group,
                 "pending": list(self.pending),
                 "examples": {str(g): e.__dict__ for g, e in self.examples.items()},
                 "policy_version": self.policy_version}
@@ -344,12 +348,13 @@ class TruncatedRolloutScheduler:
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.state = SlotState(**{k: np.asarray(v) for k, v in d["slots"].items()})
         self.step_count = int(d["step_count"])
-        self._next_seq, self._next_group = int(d["next_seq"]), int(d["next_group"])
+        self.engine.next_seq, self._next_group = int(d["next_seq"]), int(d["next_group"])
         self.pending = deque(int(g) for g in d["pending"])
         self.examples = {int(g): MathExample(**e) for g, e in d["examples"].items()}
         self.policy_version = int(d["policy_version"])
         # Without a saved cache every live row is re-prefilled (see ``restore_cache``).
         self.ds = self.engine.init_decode_state()
+        self._place(self.state.live)
         self._force_prefill = True
 
     def cache_state(self) -> dict[str, Any]:

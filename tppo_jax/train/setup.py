@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -221,15 +221,12 @@ def make_scheduler(run: Run, state: TrainState, *, window: int | None = None,
     """The run's rollout scheduler; ``window``/``pipeline``/``seed`` replace the config's
     window, the run's prompt stream and ``train.seed`` (value pretraining's full-length
     rollouts on a stream of their own)."""
-    r, tok = run.cfg.rollout, run.models.tokenizer
+    r = run.cfg.rollout if window is None else replace(run.cfg.rollout, window=window)
     prompts = (b[0] for b in (run.pipeline if pipeline is None else pipeline))
     return TruncatedRolloutScheduler(
-        policy_module(run, state), prompts, run.encode, slots=r.slots,
-        group_size=r.group_size, max_prompt_len=r.max_prompt_len,
-        max_response_len=r.max_response_len, window=r.window if window is None else window,
-        eos_ids=tok.eos_ids, sampling=run.sampling, kv_policy=r.kv_policy,
-        seed=run.cfg.train.seed if seed is None else seed, mesh=run.mesh,
-        kv_cache=r.kv_cache, page_size=r.page_size, num_pages=r.num_pages)
+        policy_module(run, state), prompts, run.encode, r, eos_ids=run.models.tokenizer.eos_ids,
+        sampling=run.sampling, seed=run.cfg.train.seed if seed is None else seed,
+        mesh=run.mesh)
 
 
 def build_steps(run: Run, state: TrainState, tx_p: Any, tx_v: Any) -> Steps:
