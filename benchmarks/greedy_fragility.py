@@ -42,8 +42,9 @@ def same_size_random(start: dict, moved: dict, key: jax.Array) -> dict:
 def run(args: argparse.Namespace) -> dict:
     from tppo_jax.cli.runs import load_run_policy
     from tppo_jax.eval.heldout import EvalEngines, evaluate
+    from tppo_jax.rewards.grader import MathGrader
     from tppo_jax.rollout.decode import SamplingParams
-    from tppo_jax.train.setup import load_models, make_grader, prompt_rows
+    from tppo_jax.train.setup import load_models, prompt_rows
 
     run_dir = Path(args.run_dir)
     cfg, tok, policy, step, _ = load_run_policy(run_dir, None)
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> dict:
     moved = nnx.to_pure_dict(moved)
     start = load_models(cfg, run_dir, progress=False).policy
     _, rows, encode = prompt_rows(cfg, tok)
-    grader = make_grader(cfg)
+    grader = MathGrader.from_config(cfg.reward, cfg.data.format)
     r = cfg.rollout
     kw = dict(max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len,
               engines=EvalEngines())  # every scored point reuses the compiled engines

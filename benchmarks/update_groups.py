@@ -34,9 +34,9 @@ def _batches(cfg, tok, model, examples, encode, window: int, n: int, skip: int) 
     ``[(rb, reward, correct)]``."""
     from tppo_jax.benchmarks.prefill_width import make_scheduler
 
-    from tppo_jax.train.setup import make_grader
+    from tppo_jax.rewards.grader import MathGrader
 
-    grader = make_grader(cfg)
+    grader = MathGrader.from_config(cfg.reward, cfg.data.format)
     sched = make_scheduler(cfg, tok, model, examples, encode, window)
     out = []
     for i in range(skip + n):

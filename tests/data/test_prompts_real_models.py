@@ -17,8 +17,7 @@ from tppo_jax.data.prompts import BOXED_INSTRUCTION, prompt_builder, render_chat
 from tppo_jax.data.readers import read_examples
 from tppo_jax.models.hf import config_from_hf, from_pretrained
 from tppo_jax.models.tokenizer import Tokenizer
-from tppo_jax.rewards.grader import answer_format_for, extract_answer
-from tppo_jax.train.setup import make_grader
+from tppo_jax.rewards.grader import MathGrader, answer_format_for, extract_answer
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
@@ -170,7 +169,7 @@ def test_render_chat_matches_transformers_conventions():
 ])
 def test_answer_formats_graded_from_config(fmt, completion, answer, expected):
     cfg = from_dict({"reward": {"answer_format": fmt, "workers": 0}})
-    with make_grader(cfg) as grader:
+    with MathGrader.from_config(cfg.reward, cfg.data.format) as grader:
         assert grader.grade([completion], [answer]).reasons == [expected]
 
 
@@ -181,7 +180,7 @@ def test_answer_format_defaults_per_data_format():
     assert answer_format_for("math", "last_number") == "last_number"
     # DAPO's own instruction is honoured by the default: "Answer: 34" is an answer.
     cfg = from_dict({"data": {"format": "dapo"}, "reward": {"workers": 0, "no_answer": -1.0}})
-    with make_grader(cfg) as grader:
+    with MathGrader.from_config(cfg.reward, cfg.data.format) as grader:
         g = grader.grade(["Answer: 34", "I think 34"], ["34", "34"])
     assert g.reasons == ["ok", "no_answer"] and g.rewards.tolist() == [1.0, -1.0]
     assert extract_answer("x \\boxed{2} y\nAnswer: 3", answer_format="last_number") == "2"

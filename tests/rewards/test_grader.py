@@ -169,3 +169,22 @@ def test_mixed_batch_with_hangs_keeps_other_results() -> None:
         assert time.monotonic() - t0 < 4.0
         assert [i for i, x in enumerate(r.reasons) if x != "ok"] == [5, 23]
         assert r.counts == {"ok": 38, "wrong": 0, "no_answer": 0, "timeout": 2, "crash": 0}
+
+
+def test_from_config_maps_the_reward_section() -> None:
+    from tppo_jax.config import RewardConfig
+
+    rc = RewardConfig(workers=0, correct=2.0, wrong=-1.0, no_answer=-0.5, error=-2.0,
+                      max_tasks_per_child=7, crash_retries=3, verify_timeout_s=None)
+    g = MathGrader.from_config(rc, "gsm8k")
+    assert g.reward_of == {"ok": 2.0, "wrong": -1.0, "no_answer": -0.5, "timeout": -2.0,
+                           "crash": -2.0}
+    assert g.grade_kw["answer_format"] == "boxed_or_answer_line"  # gsm8k's default
+    assert g.grade_kw["mv_timeout_s"] is None
+    assert (g.max_tasks_per_child, g.crash_retries) == (7, 3)
+    r = g.grade(["so\nAnswer: 4", r"\boxed{5}", "no answer here"], ["4", "4", "4"])
+    assert r.reasons == ["ok", "wrong", "no_answer"] and r.rewards.tolist() == [2.0, -1.0, -0.5]
+    g.close()
+    boxed = MathGrader.from_config(RewardConfig(workers=0, answer_format="boxed"), "gsm8k")
+    assert boxed.grade(["so\nAnswer: 4"], ["4"]).reasons == ["no_answer"]
+    boxed.close()

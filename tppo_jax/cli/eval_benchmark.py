@@ -127,8 +127,7 @@ def _evaluate(args: argparse.Namespace, bench: Benchmark, rows: list, policy: Lo
     """Runs the protocol with the training prompt builder and grader; the report dict."""
     from tppo_jax.data.prompts import prompt_builder
     from tppo_jax.eval.benchmark import Protocol, build_report, run_benchmark
-    from tppo_jax.rewards.grader import answer_format_for
-    from tppo_jax.train.setup import make_grader
+    from tppo_jax.rewards.grader import MathGrader, answer_format_for
 
     tok = policy.tokenizer
     prompts = prompt_builder(cfg, tok)
@@ -137,7 +136,7 @@ def _evaluate(args: argparse.Namespace, bench: Benchmark, rows: list, policy: Lo
                         top_p=args.top_p,
                         max_tokens=args.max_tokens or cfg.rollout.max_response_len,
                         seed=args.seed or 0, batch_size=args.batch_size or DEFAULT_BATCH)
-    with make_grader(cfg) as grader:
+    with MathGrader.from_config(cfg.reward, cfg.data.format) as grader:
         result = run_benchmark(policy.model, tok, rows, lambda e: prompts.ids(e, tok), grader,
                                answer_format, protocol)
     style = ("short (tiny model)" if prompts.short else

@@ -185,8 +185,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     refuse_benchmark_options(args)
     from tppo_jax.data.prompts import prompt_builder
     from tppo_jax.eval.heldout import EvalEngines, evaluate
+    from tppo_jax.rewards.grader import MathGrader
     from tppo_jax.rollout.decode import SamplingParams
-    from tppo_jax.train.setup import load_data, make_grader
+    from tppo_jax.train.setup import load_data
 
     run_dir = Path(args.run_dir)
     cfg, tok, policy, step, _ = load_run_policy(run_dir, args.step)
@@ -199,7 +200,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     lens = dict(max_prompt_len=cfg.rollout.max_prompt_len,
                 max_response_len=cfg.rollout.max_response_len)
     engines = EvalEngines()  # --show decodes with the eval's engine: no second compile
-    with make_grader(cfg) as grader:
+    with MathGrader.from_config(cfg.reward, cfg.data.format) as grader:
         res = evaluate(policy, tok, eval_rows, encode, grader, k=k, sampling=sampling,
                        engines=engines, **lens)
         if args.show > 0:

@@ -25,11 +25,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tppo_jax.data.readers import last_boxed
+
+if TYPE_CHECKING:
+    from tppo_jax.config import RewardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +283,19 @@ class MathGrader:
         if num_workers and not self._wait_warm(startup_timeout_s, every=True):
             self.close()
             raise TimeoutError("grading workers did not start in time")
+
+    @classmethod
+    def from_config(cls, reward: RewardConfig, data_format: str) -> MathGrader:
+        """The outcome grader a run's ``reward`` section configures; the graded answer text
+        follows ``data_format`` unless ``reward.answer_format`` names one."""
+        kw = {} if reward.error is None else {"error_reward": reward.error}
+        return cls(num_workers=reward.workers, item_timeout_s=reward.item_timeout_s,
+                   batch_deadline_s=reward.batch_deadline_s,
+                   max_tasks_per_child=reward.max_tasks_per_child,
+                   correct_reward=reward.correct, wrong_reward=reward.wrong,
+                   no_answer_reward=reward.no_answer, crash_retries=reward.crash_retries,
+                   answer_format=answer_format_for(data_format, reward.answer_format),
+                   mv_timeout_s=reward.verify_timeout_s, **kw)
 
     # -------------------------------------------------------------------- worker management
     def _spawn(self) -> _Worker:

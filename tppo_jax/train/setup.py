@@ -31,7 +31,7 @@ from tppo_jax.models.transformer import param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.mesh import layout_rules, make_mesh
-from tppo_jax.rewards.grader import MathGrader, answer_format_for
+from tppo_jax.rewards.grader import MathGrader
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 from tppo_jax.train.checkpoint import Checkpointer, record_model
@@ -171,7 +171,7 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
     if resume:
         state = restore(run, state)
     run.steps = build_steps(run, state, tx_p, tx_v)
-    run.grader = make_grader(cfg)
+    run.grader = MathGrader.from_config(cfg.reward, cfg.data.format)
     stack.callback(run.grader.close)
     # Rows past the restored step are dropped (logged again); nothing restored: none are.
     run.metrics = MetricsWriter(rd.local, tensorboard=cfg.logging.tensorboard,
@@ -349,14 +349,3 @@ def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample]]:
     return rows[:-d.eval_size], rows[-d.eval_size:]
 
 
-def make_grader(cfg: Config) -> MathGrader:
-    """The outcome grader as ``cfg.reward`` configures it (answer format per data format)."""
-    rc = cfg.reward
-    kw = {} if rc.error is None else {"error_reward": rc.error}
-    return MathGrader(num_workers=rc.workers, item_timeout_s=rc.item_timeout_s,
-                      batch_deadline_s=rc.batch_deadline_s,
-                      max_tasks_per_child=rc.max_tasks_per_child,
-                      correct_reward=rc.correct, wrong_reward=rc.wrong,
-                      no_answer_reward=rc.no_answer, crash_retries=rc.crash_retries,
-                      answer_format=answer_format_for(cfg.data.format, rc.answer_format),
-                      mv_timeout_s=rc.verify_timeout_s, **kw)
