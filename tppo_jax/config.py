@@ -483,12 +483,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data = _merge(data, loaded)
     for ov in overrides or []:
         data = _merge(data, parse_override(ov))
-    cfg = _build(Config, data, "")
-    validate(cfg)
-    return cfg
+    return from_dict(data)
 
 
 def from_dict(data: dict[str, Any]) -> Config:
+    """A validated ``Config`` from nested section mappings (omitted keys take defaults)."""
     cfg = _build(Config, data, "")
     validate(cfg)
     return cfg

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.rewards.expr_parser import Uncheckable, parse_side
 from tppo_jax.rewards.process import char_to_token_index, step_token_ends
-from tppo_jax.rewards.step_verifier import extract_claims, split_steps, verify_solution
+from tppo_jax.rewards.step_verifier import extract_claims, iter_steps, verify_solution
 
 
 def verdicts(text: str) -> list[str]:
@@ -21,12 +21,12 @@ def verdicts(text: str) -> list[str]:
 # ------------------------------------------------------------------------------- splitting
 def test_split_steps_lines_sentences_and_spans() -> None:
     sol = "  12 + 7 = 19. Then 19 - 5 = 14.\n\nSo 3.5 apples!\n\\boxed{14}"
-    steps = split_steps(sol)
+    steps = list(iter_steps(sol))
     assert [s.text for s in steps] == ["12 + 7 = 19.", "Then 19 - 5 = 14.", "So 3.5 apples!",
                                        "\\boxed{14}"]
     for s in steps:
         assert sol[s.start:s.end] == s.text
-    assert split_steps("") == [] and split_steps("\n \n") == []
+    assert list(iter_steps("")) == [] and list(iter_steps("\n \n")) == []
 
 
 # ------------------------------------------------------------------------- claim extraction

@@ -46,7 +46,7 @@ def policy_mask(
     trained when they were generated.
     """
     keep = jnp.where(finished, window_len, jnp.maximum(window_len - ignore_last, 0))
-    return span_mask(length, window_start, window_start + keep)
+    return window_mask(length, window_start, keep)
 
 
 def value_mask(length: int, prompt_len: Array, total_len: Array, finished: Array) -> Array:

@@ -148,16 +148,12 @@ class StepReport:
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\\$(])")
 
 
-def split_steps(solution: str) -> list[Step]:
-    """Split into non-empty lines, and lines into sentences (". " before a capital letter).
+def iter_steps(solution: str) -> Iterator[Step]:
+    """The steps of ``solution`` in order: non-empty lines, and lines split into sentences
+    (". " before a capital letter); a generator, so a budget can stop before the end.
 
     A decimal point never splits (``3.5``: no space after the dot). Offsets index ``solution``.
     """
-    return list(_iter_steps(solution))
-
-
-def _iter_steps(solution: str) -> Iterator[Step]:
-    """``split_steps`` one step at a time (a budget can stop before the end of the text)."""
     n = 0
     pos = 0
     for line in solution.splitlines(keepends=True):
@@ -455,7 +451,7 @@ def verify_solution(solution: str, *, timeout_s: float = 1.0, rel_tol: float = 1
     st = _State()
     out: list[StepVerdict] = []
     timed_out = False
-    for step in _iter_steps(solution):
+    for step in iter_steps(solution):
         claims = _claims_within(step, deadline)
         timed_out = claims is None
         checked: list[Claim] = []

@@ -367,7 +367,7 @@ class DecodeEngine:
             return self._free_fn(decode_state, slots)  # (a global mask stays on device)
         mask = np.asarray(slots)
         if mask.dtype != bool:
-            mask = np.isin(np.arange(self._slots), mask)
+            return self._free_fn(decode_state, pg.slots_to_mask(mask, self._slots))
         return self._free_fn(decode_state, jnp.asarray(mask))
 
     # ------------------------------------------------------------------ decode

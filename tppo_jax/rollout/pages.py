@@ -121,7 +121,7 @@ def reserve(state: PageState, slot_mask: Array, num_tokens: Array | int) -> tupl
     held = pages_held(state)
     want = pages_needed(state.slot_len + num_tokens, state.page_size)
     fits_table = want <= state.max_pages_per_slot
-    need = jnp.where(slot_mask & fits_table, jnp.maximum(want - held, 0), 0)
+    need = jnp.where(fits_table, extra_pages_needed(state, slot_mask, num_tokens), 0)
     end = jnp.cumsum(need)  # inclusive offsets into the free list
     # Zero-need slots always succeed; among the rest, admission is a prefix in slot order.
     admitted = slot_mask & fits_table & ((need == 0) | (end <= num_free_pages(state)))
