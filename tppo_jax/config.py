@@ -123,6 +123,9 @@ class AlgoConfig:
     # for many steps, and every unfinished window then bootstraps from a value that is too low)
     value_bias_init: Literal["zero", "mean_reward"] = "zero"
     whiten_advantages: bool = True
+    # A wrong answer's lines before its first invalid step (sympy step verifier) get no policy
+    # advantage: the outcome blames the slip and what follows, not the right lines before it
+    blame_from_first_error: bool = False
     advantage_clip: float | None = 10.0
     value_clip_low: float | None = 0.5
     value_clip_high: float | None = 0.6

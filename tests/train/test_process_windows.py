@@ -59,3 +59,29 @@ def test_unfinished_rows_get_their_completed_lines_judged(tmp_path):
     # no validity rate.
     out, valid = step_process_rewards(cfg, tok, rb, np.array([], int))
     assert valid is None and out[0].sum() == out[1].sum() == -0.5 and not out[2:].any()
+
+
+def test_blame_starts_at_the_first_invalid_step(tmp_path):
+    from tppo_jax.train.collect import blame_starts
+
+    corpus = SyntheticMathTask(seed=0, style="daily", max_operand=2, max_value=40,
+                               max_steps=6).teacher_corpus(300, 0.0, 0.0)
+    tok = train_sentencepiece(corpus, tmp_path / "tok", vocab_size=96)
+    responses = [
+        "day 1 of 3: 5 + 1 = 6\nday 2 of 3: 6 + 1 = 8\nday 3 of 3: 8 + 1 = 9\n\\boxed{9}",
+        "day 1 of 3: 5 + 1 = 7\nday 2 of 3: 7 + 1 = 8\n\\boxed{8}",  # the first line slips
+        "day 1 of 3: 5 + 1 = 6\n\\boxed{5}",  # the answer line contradicts line 1
+        "day 1 of 3: 5 + 1 = 6\nday 2 of 3: 6 + 1 = 9\n\\boxed{9}",  # not in `wrong`
+        "day 1 of 3: 5 + 1 = 6\nday 2 of 3: 6 + 1 = 7\nday 3 of 3: 7 + 1 = 8\n\\boxed{9}",
+    ]
+    rb = _batch(tok, responses, [True] * 5, [0] * 5)
+    start = blame_starts(tok, rb, np.array([0, 1, 2, 4]))  # row 3 is not wrong
+    plen = rb.prompt_len
+    first = tok.decode(rb.tokens[0, plen[0]:start[0]])
+    assert first.rstrip("\n") == "day 1 of 3: 5 + 1 = 6"  # right line 1 spared, line 2 blamed
+    assert tok.decode(rb.tokens[0, start[0]:rb.total_len[0]]).lstrip("\n").startswith("day 2")
+    assert start[1] == plen[1]  # the first line slips: the whole response is blamed
+    assert tok.decode(rb.tokens[2, start[2]:rb.total_len[2]]).lstrip("\n") == "\\boxed{5}"
+    assert start[3] == 0  # not a wrong row: every column
+    # every line right, the answer line wrong: only the answer line is blamed
+    assert tok.decode(rb.tokens[4, start[4]:rb.total_len[4]]).lstrip("\n") == "\\boxed{9}"

@@ -60,6 +60,27 @@ def test_unfinished_rows_have_no_value_targets_and_drop_tail():
     assert float(jnp.abs(out["advantages"][1, -2:]).sum()) == 0
 
 
+def test_blame_start_zeroes_the_advantage_before_it_and_whitens_over_the_rest():
+    batch, values = _batch()
+    a = AlgoConfig(length_adaptive=False, lam_policy=0.9, window_ignore_tokens=8)
+    cfg = StepConfig(algo=a, optim=OptimConfig(), window=6, temperature=1.0)
+    base = compute_targets(values, batch, cfg)
+    blame = jnp.array([0, 5, 0, 4], jnp.int32)  # rows 1 and 3: columns before 5 / 4 spared
+    out = compute_targets(values, {**batch, "blame_start": blame}, cfg)
+    keep = base["policy_mask"] * (jnp.arange(9)[None] >= blame[:, None])
+    adv = np.asarray(out["advantages"])
+    assert not adv[1, :5].any() and not adv[3, :4].any()
+    np.testing.assert_allclose(out["policy_mask"], base["policy_mask"])  # the KL term's tokens
+    # whitened over the tokens that keep an advantage: the same raw advantages, other stats
+    raw = compute_targets(values, batch, StepConfig(
+        algo=AlgoConfig(length_adaptive=False, lam_policy=0.9, window_ignore_tokens=8,
+                        whiten_advantages=False, advantage_clip=None),
+        optim=OptimConfig(), window=6, temperature=1.0))["advantages"]
+    want = algo.masked_whiten(raw, keep) * keep
+    np.testing.assert_allclose(adv, want, atol=1e-5)
+    assert float(jnp.abs(out["advantages"][1, 5:] - base["advantages"][1, 5:]).max()) > 1e-3
+
+
 def test_nan_loss_skips_update():
     model = create_model(ModelConfig.tiny(vocab_size=32))
     gd, st = nnx.split(model)

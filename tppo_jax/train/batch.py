@@ -22,8 +22,8 @@ if TYPE_CHECKING:  # annotations only: setup and collect build on this module's 
 
 
 def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh,
-                 token_rewards: np.ndarray | None = None, groups: bool = False
-                 ) -> dict[str, jax.Array]:
+                 token_rewards: np.ndarray | None = None, groups: bool = False,
+                 blame_start: np.ndarray | None = None) -> dict[str, jax.Array]:
     """The rollout as device arrays, split over the mesh's batch axes (global arrays of
     every host's rows when there are several processes).
 
@@ -42,6 +42,8 @@ def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh
               "sample_logprobs": rb.sample_logprobs[:, :width]}
     if token_rewards is not None:
         arrays["token_rewards"] = token_rewards[:, :width]
+    if blame_start is not None:
+        arrays["blame_start"] = blame_start.astype(np.int32)
     if groups:  # the prompt ids, for algo.advantage_baseline: group (int32 through int64)
         arrays["group"] = (rb.group_id.astype(np.int64) % (1 << 31)).astype(np.int32)
     return {k: mh.host_to_global(v, mesh) for k, v in arrays.items()}
@@ -82,7 +84,8 @@ def update_batch(run: Run, value: Any, roll: Rollout, step: int
     and EGAE advantages at ``value`` params; and its ``RowPlan`` (``step``'s shuffle)."""
     rb = roll.rb
     arrays = batch_arrays(rb, roll.reward, roll.correct, run.mesh, roll.token_rewards,
-                          groups=run.cfg.algo.advantage_baseline == "group")
+                          groups=run.cfg.algo.advantage_baseline == "group",
+                          blame_start=roll.blame_start)
     plan = row_plan(rb, shuffle_keys(run.cfg, step, rb.tokens.shape[0]))
     return {**arrays, **run.steps.targets(value, arrays, lengths=plan.lengths)}, plan
 

@@ -31,6 +31,7 @@ class Rollout:
     counts: dict[str, int]  # grade outcomes by reason
     samples: list[dict[str, Any]]  # readable records of the first finished rows
     token_rewards: np.ndarray | None  # [B, S] process rewards, when configured
+    blame_start: np.ndarray | None  # [B] algo.blame_from_first_error: first blamed token
     steps_valid: float | None  # all-steps-valid rate of the finished rows
     idle: int  # slots left empty (paged pool short)
     t0: float  # when the step began
@@ -70,10 +71,13 @@ def collect(run: Run, sched: TruncatedRolloutScheduler | None = None) -> Rollout
     token_rewards, steps_valid = None, None
     if cfg.reward.process != "none":  # unfinished rows' completed lines too
         token_rewards, steps_valid = step_process_rewards(cfg, tok, rb, fin)
+    blame = None
+    if cfg.algo.blame_from_first_error:
+        blame = blame_starts(tok, rb, np.flatnonzero(rb.finished & ~correct))
     t_grade = time.time() - t0 - t_roll
     n_roll, c_roll = run.steps.watch.take()
-    return Rollout(rb, fin, reward, correct, counts, samples, token_rewards, steps_valid,
-                   idle, t0, t_roll, t_grade, n_roll, c_roll)
+    return Rollout(rb, fin, reward, correct, counts, samples, token_rewards, blame,
+                   steps_valid, idle, t0, t_roll, t_grade, n_roll, c_roll)
 
 
 def shuffle_grades(reward: np.ndarray, correct: np.ndarray, fin: np.ndarray,
@@ -133,3 +137,23 @@ def step_process_rewards(cfg: Config, tok: Tokenizer, rb: RolloutBatch, rows: np
         a = int(rb.prompt_len[i])
         out[i, a:a + len(ids)] = pr[0]
     return out, float(np.mean(valid)) if valid else None
+
+
+def blame_starts(tok: Tokenizer, rb: RolloutBatch, wrong: np.ndarray) -> np.ndarray:
+    """``[B]`` int32: the first token (a column of ``rb.tokens``) that the outcome of each
+    ``wrong`` row may blame: the start of its first invalid step when the step verifier finds
+    one, else its first response token; 0 (every token) for the other rows. The lines before
+    a slip were right: a negative advantage there would push right arithmetic down."""
+    from tppo_jax.rewards.process import step_token_ends
+    from tppo_jax.rewards.step_verifier import verify_solution
+
+    out = np.zeros(len(rb.finished), np.int32)
+    for i in wrong:
+        ids = rb.response_tokens(int(i))
+        text = tok.decode(ids)
+        rep = verify_solution(text)
+        first = 0
+        if rep.first_invalid:  # (None: no slip found; 0: the first step is the slip)
+            first = step_token_ends(rep, text, tok, ids)[rep.first_invalid - 1] + 1
+        out[i] = int(rb.prompt_len[i]) + first
+    return out

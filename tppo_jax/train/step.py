@@ -126,8 +126,10 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
       batch: ``tokens, prompt_len, window_start, window_len, finished, reward, correct`` (the
         grader's verdict, ``[B]`` bool: the positive-example NLL trains on these rows, not on
         ``reward > 0``, which shaping or +1/-1 rewards make a different set) and optionally
-        ``token_rewards [B, S]`` (dense process rewards, added to the outcome reward) and
-        ``group [B]`` (the prompt's id: ``algo.advantage_baseline: group``).
+        ``token_rewards [B, S]`` (dense process rewards, added to the outcome reward),
+        ``group [B]`` (the prompt's id: ``algo.advantage_baseline: group``) and
+        ``blame_start [B]`` (``algo.blame_from_first_error``: columns before it get no
+        advantage; they stay in the policy mask, so the KL term still holds them).
     """
     a = cfg.algo
     b, s = batch["tokens"].shape
@@ -156,11 +158,14 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
                           adv_w)
     adv = _scatter_window(adv_w, start, s)
     pmask = algo.policy_mask(s, start, wlen, fin, ignore_last=a.window_ignore_tokens)
+    amask = pmask  # the tokens that carry an advantage
+    if "blame_start" in batch:
+        amask = pmask * (jnp.arange(s)[None] >= batch["blame_start"][:, None])
     if a.whiten_advantages:
-        adv = algo.masked_whiten(adv, pmask)
+        adv = algo.masked_whiten(adv, amask)
     if a.advantage_clip is not None:
-        adv = algo.masked_clip(adv, pmask, bound=a.advantage_clip)
-    adv = adv * pmask
+        adv = algo.masked_clip(adv, amask, bound=a.advantage_clip)
+    adv = adv * amask
 
     # Critic side: MC returns (lambda_critic = 1) on every response token of finished rows.
     rmask = algo.response_mask(s, batch["prompt_len"], total)
