@@ -55,11 +55,22 @@ def test_smoke_train_then_resume(tmp_path):
     r = _tppo("plot", str(run), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (run / "metrics_vs_step.png").stat().st_size > 1000
-    r = _tppo("eval", str(run), "-k", "2", "--show", "2", cwd=tmp_path)
+    r = _tppo("eval", str(run), "--show", "2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("=== prompt\nQ: ") == 2 and "--- completion" in r.stdout
     res = json.loads((run / "eval_6.json").read_text())
-    assert 0.0 <= res["avg@2"] <= res["pass@2"] <= 100.0 and res["questions"] > 0
+    k = res["k"]
+    assert 0.0 <= res[f"avg@{k}"] <= res[f"pass@{k}"] <= 100.0 and res["questions"] > 0
+    # The default protocol is the run's: `tppo eval` reproduces the in-run held-out eval.
+    after = json.loads((run / "summary.json").read_text())["eval_after"]
+    assert res["protocol"]["name"] == "run" and f"avg@{k}" in after
+    assert (res[f"avg@{k}"], res[f"pass@{k}"]) == (after[f"avg@{k}"], after[f"pass@{k}"])
+    r = _tppo("eval", str(run), "--protocol", "paper", "-k", "2", "--out",
+              str(tmp_path / "paper.json"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    paper = json.loads((tmp_path / "paper.json").read_text())
+    assert {k: paper["protocol"][k] for k in ("name", "samples", "temperature", "top_p")} == {
+        "name": "paper+", "samples": 2, "temperature": 1.0, "top_p": 0.7}
     r = _tppo("export", str(run), str(tmp_path / "hf"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     from tppo_jax.models.hf import from_pretrained

@@ -126,19 +126,19 @@ def _evaluate(args: argparse.Namespace, bench: Benchmark, rows: list, policy: Lo
               cfg: Config) -> dict[str, Any]:
     """Runs the protocol with the training prompt builder and grader; the report dict."""
     from tppo_jax.data.prompts import prompt_builder
-    from tppo_jax.eval.benchmark import Protocol, build_report, run_benchmark
+    from tppo_jax.eval.benchmark import build_report, run_benchmark
+    from tppo_jax.eval.protocol import protocol_named
     from tppo_jax.rewards.grader import MathGrader, answer_format_for
 
     tok = policy.tokenizer
     prompts = prompt_builder(cfg, tok)
     answer_format = answer_format_for(bench.format, cfg.reward.answer_format)
-    protocol = Protocol(samples=0 if args.greedy else args.k, temperature=args.temperature,
-                        top_p=args.top_p,
-                        max_tokens=args.max_tokens or cfg.rollout.max_response_len,
-                        seed=args.seed or 0, batch_size=args.batch_size or DEFAULT_BATCH)
+    protocol = protocol_named(args.protocol or "paper", cfg).overridden(
+        samples=0 if args.greedy else args.k, temperature=args.temperature, top_p=args.top_p,
+        max_tokens=args.max_tokens, seed=args.seed)
     with MathGrader.from_config(cfg.reward, cfg.data.format) as grader:
         result = run_benchmark(policy.model, tok, rows, lambda e: prompts.ids(e, tok), grader,
-                               answer_format, protocol)
+                               answer_format, protocol, args.batch_size or DEFAULT_BATCH)
     style = ("short (tiny model)" if prompts.short else
              "chat template" if prompts.chat_template is not None else "plain")
     prompt = {"style": style, "user_template": prompts.template,

@@ -17,6 +17,7 @@ from tppo_jax.cli.args import (
     positive_int,
     top_p,
 )
+from tppo_jax.eval.protocol import PROTOCOLS
 
 if TYPE_CHECKING:
     from tppo_jax.train.checkpoint import Checkpointer
@@ -166,10 +167,17 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                    "also an HF folder or a Hub model id")
     p.add_argument("--step", type=non_negative_int, default=None,
                    help="checkpoint step (default: latest)")
-    p.add_argument("-k", "--samples", dest="k", type=positive_int, default=8,
-                   help="samples per question (avg@k, pass@k)")
-    p.add_argument("--temperature", type=non_negative_float, default=1.0)
-    p.add_argument("--top-p", type=top_p, default=0.7, help="in (0, 1]")
+    p.add_argument("--protocol", choices=PROTOCOLS, default=None,
+                   help="how sampled answers are drawn (docs/eval.md): run = the run's "
+                   "training sampling and train.eval_samples, as its in-run held-out eval "
+                   "(the default here); paper = 8 answers at temperature 1.0, top-p 0.7 (the "
+                   "--benchmark default). -k / --temperature / --top-p override it")
+    p.add_argument("-k", "--samples", dest="k", type=positive_int, default=None,
+                   help="samples per question (avg@k, pass@k; default: the protocol's)")
+    p.add_argument("--temperature", type=non_negative_float, default=None,
+                   help="default: the protocol's")
+    p.add_argument("--top-p", type=top_p, default=None,
+                   help="in (0, 1]; default: the protocol's")
     p.add_argument("--greedy", action="store_true", help="one greedy sample per question")
     p.add_argument("--out", default=None, help="results JSON (default: RUN_DIR/eval_<step>.json)")
     p.add_argument("--show", type=non_negative_int, default=0, metavar="N",
@@ -185,29 +193,30 @@ def cmd_eval(args: argparse.Namespace) -> int:
     refuse_benchmark_options(args)
     from tppo_jax.data.prompts import prompt_builder
     from tppo_jax.eval.heldout import EvalEngines, evaluate
+    from tppo_jax.eval.protocol import protocol_named
     from tppo_jax.rewards.grader import MathGrader
     from tppo_jax.rollout.decode import SamplingParams
-    from tppo_jax.train.setup import load_data
+    from tppo_jax.train.setup import prompt_rows
 
     run_dir = Path(args.run_dir)
     cfg, tok, policy, step, _ = load_run_policy(run_dir, args.step)
-    _, eval_rows = load_data(cfg)
+    _, eval_rows, encode = prompt_rows(cfg, tok)  # the rows and prompts the run evaluates
     prompts = prompt_builder(cfg, tok)
-    encode = lambda e: prompts.ids(e, tok)  # noqa: E731
-    k = 1 if args.greedy else args.k
-    sampling = SamplingParams(greedy=True) if args.greedy else SamplingParams(
-        temperature=args.temperature, top_p=args.top_p)
+    protocol = protocol_named(args.protocol or "run", cfg).overridden(
+        samples=args.k, temperature=args.temperature, top_p=args.top_p)
+    k = 1 if args.greedy else protocol.samples
+    sampling = SamplingParams(greedy=True) if args.greedy else protocol.sampling
     lens = dict(max_prompt_len=cfg.rollout.max_prompt_len,
-                max_response_len=cfg.rollout.max_response_len)
+                max_response_len=protocol.max_tokens)
     engines = EvalEngines()  # --show decodes with the eval's engine: no second compile
     with MathGrader.from_config(cfg.reward, cfg.data.format) as grader:
         res = evaluate(policy, tok, eval_rows, encode, grader, k=k, sampling=sampling,
-                       engines=engines, **lens)
+                       seed=protocol.seed, engines=engines, **lens)
         if args.show > 0:
             _show_samples(policy, tok, eval_rows[:args.show], prompts, grader, sampling, lens,
                           engines)
-    res.update(step=step, k=k, temperature=args.temperature, top_p=args.top_p,
-               greedy=args.greedy, questions=len(eval_rows))
+    res.update(step=step, k=k, greedy=args.greedy, questions=len(eval_rows),
+               protocol=None if args.greedy else protocol.to_dict())
     out = Path(args.out or run_dir / f"eval_{step}.json")
     out.write_text(json.dumps(res, indent=2))
     print(json.dumps(res))

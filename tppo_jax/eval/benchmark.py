@@ -31,9 +31,9 @@ from tppo_jax.config_checks import ConfigError
 from tppo_jax.data.formats import Format, MathExample
 from tppo_jax.eval.heldout import EvalEngines, GradedSamples, decode_and_grade
 from tppo_jax.eval.metrics import score
+from tppo_jax.eval.protocol import EvalProtocol
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.rewards.grader import MathGrader, extract_answer
-from tppo_jax.rollout.decode import SamplingParams
 
 FORMATS: tuple[str, ...] = typing.get_args(Format)
 
@@ -66,19 +66,6 @@ BENCHMARKS: dict[str, Benchmark] = {
     "aime24": Benchmark("aime24", "HuggingFaceH4/aime_2024", "math", "train",
                         fields=(("id", "id"),)),
 }
-
-
-@dataclass(frozen=True)
-class Protocol:
-    """How answers are drawn: ``samples`` per question at ``temperature`` / ``top_p``
-    (0 = the greedy answer only), each at most ``max_tokens`` long."""
-
-    samples: int
-    temperature: float
-    top_p: float
-    max_tokens: int
-    seed: int = 0
-    batch_size: int = 64
 
 
 def resolve_benchmark(name: str, fmt: str | None = None, split: str | None = None
@@ -121,22 +108,22 @@ def load_questions(bench: Benchmark, limit: int | None = None) -> list[MathExamp
 
 def run_benchmark(model: Any, tok: Any, rows: list[MathExample],
                   encode: typing.Callable[[MathExample], list[int]], grader: MathGrader,
-                  answer_format: str, protocol: Protocol) -> dict[str, Any]:
-    """Greedy and sampled answers to every question, graded; returns ``{"metrics",
-    "per_question", "max_prompt_tokens"}`` (see :func:`benchmark_metrics`). The prompt
-    window is the longest prompt: no question is cut."""
+                  answer_format: str, protocol: EvalProtocol, batch_size: int = 64
+                  ) -> dict[str, Any]:
+    """Greedy and ``protocol``'s sampled answers to every question (``batch_size`` decode
+    slots), graded; returns ``{"metrics", "per_question", "max_prompt_tokens"}`` (see
+    :func:`benchmark_metrics`). The prompt window is the longest prompt: no question is
+    cut."""
     cache = {e: encode(e) for e in rows}
     kw = dict(max_prompt_len=max(len(ids) for ids in cache.values()),
               max_response_len=protocol.max_tokens, engines=EvalEngines(),
-              batch_size=protocol.batch_size, check_steps=False)
+              batch_size=batch_size, check_steps=False)
     greedy = decode_and_grade(model, tok, rows, cache.__getitem__, grader, k=1, **kw)
     sampled = None
     if protocol.samples > 0:
-        sampling = SamplingParams(temperature=protocol.temperature, top_p=protocol.top_p,
-                                  greedy=protocol.temperature == 0)
         sampled = decode_and_grade(model, tok, rows, cache.__getitem__, grader,
-                                   k=protocol.samples, sampling=sampling, seed=protocol.seed,
-                                   **kw)
+                                   k=protocol.samples, sampling=protocol.sampling,
+                                   seed=protocol.seed, **kw)
     g, s = _ordered(greedy, answer_format), _ordered(sampled, answer_format)
     return {"metrics": benchmark_metrics(g, s, protocol.max_tokens),
             "per_question": per_question(rows, g, s),
@@ -233,7 +220,7 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def build_report(bench: Benchmark, model: dict[str, Any], protocol: Protocol,
+def build_report(bench: Benchmark, model: dict[str, Any], protocol: EvalProtocol,
                  answer_format: str, prompt: dict[str, Any], limit: int | None,
                  result: dict[str, Any]) -> dict[str, Any]:
     """The JSON ``tppo eval --benchmark`` writes: what was evaluated, how, the metrics, and
@@ -244,9 +231,7 @@ def build_report(bench: Benchmark, model: dict[str, Any], protocol: Protocol,
                       "revision": bench.hf_revision,
                       "format": bench.format, "described": bench.describe()},
         "model": model,
-        "protocol": {"samples": protocol.samples, "temperature": protocol.temperature,
-                     "top_p": protocol.top_p, "max_tokens": protocol.max_tokens,
-                     "max_prompt_tokens": result["max_prompt_tokens"], "seed": protocol.seed,
+        "protocol": {**protocol.to_dict(), "max_prompt_tokens": result["max_prompt_tokens"],
                      "answer_format": answer_format, "prompt": prompt, "limit": limit},
         "questions": len(result["per_question"]),
         "metrics": result["metrics"],

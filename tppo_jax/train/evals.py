@@ -7,6 +7,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from tppo_jax.eval.heldout import evaluate
+from tppo_jax.eval.protocol import run_protocol
 from tppo_jax.train.policy_view import policy_module
 from tppo_jax.train.state import TrainState
 
@@ -15,13 +16,14 @@ if TYPE_CHECKING:
 
 
 def heldout_eval(run: Run, state: TrainState) -> dict[str, float]:
-    """Held-out accuracy: avg@k sampled as in training (the headline) and greedy."""
-    cfg, r = run.cfg, run.cfg.rollout
-    kw = dict(max_prompt_len=r.max_prompt_len, max_response_len=r.max_response_len,
+    """Held-out accuracy under the ``run`` protocol (``eval.protocol``): avg@k sampled as in
+    training (the headline) and greedy."""
+    p = run_protocol(run.cfg)
+    kw = dict(max_prompt_len=run.cfg.rollout.max_prompt_len, max_response_len=p.max_tokens,
               mesh=run.mesh, engines=run.eval_engines)
-    k, tok = cfg.train.eval_samples, run.models.tokenizer
+    k, tok = p.samples, run.models.tokenizer
     sampled = evaluate(policy_module(run, state), tok, run.eval_rows, run.encode, run.grader,
-                       k=k, sampling=run.sampling, seed=cfg.train.seed, **kw)
+                       k=k, sampling=p.sampling, seed=p.seed, **kw)
     greedy = evaluate(policy_module(run, state), tok, run.eval_rows, run.encode, run.grader,
                       **kw)
     return {"accuracy": sampled[f"avg@{k}"], "greedy_accuracy": greedy["avg@1"],
