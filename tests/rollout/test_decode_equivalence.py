@@ -86,7 +86,7 @@ def test_jetstream_api_matches_transformers(case):
     finish (what JetStream's orchestrator does for ``tppo serve``)."""
     model, ref = case
     new, eos = ref["max_new_tokens"], ref["eos"]
-    core = DecodeEngine(model, eos_ids=(eos,), max_slots=3, max_target_length=128,
+    core = DecodeEngine(model, eos_ids=(eos,), kv_cache="paged", max_slots=3, max_target_length=128,
                         page_size=16, sampling=GREEDY)
     eng = JetStreamEngine(core, types.SimpleNamespace(eos_ids=(eos,)), max_prefill_length=128)
     params = eng.load_params()

@@ -74,7 +74,7 @@ def _prefix(eng, params, prompt):
 
 @pytest.fixture(scope="module")
 def engine(model, eos):
-    return DecodeEngine(model, eos_ids=(eos,), max_slots=4, page_size=4,
+    return DecodeEngine(model, eos_ids=(eos,), kv_cache="paged", max_slots=4, page_size=4,
                         max_target_length=MAXLEN, sampling=SamplingParams(greedy=True))
 
 
@@ -163,8 +163,8 @@ def test_insert_group_shares_prompt_pages(engine, reference, eos):
 
 
 def test_pool_exhaustion_refuses_insert(model, reference):
-    eng = DecodeEngine(model, eos_ids=(V + 5,), max_slots=2, page_size=4,  # never emitted
-                       max_target_length=MAXLEN, num_pages=4,
+    eng = DecodeEngine(model, eos_ids=(V + 5,), kv_cache="paged", max_slots=2,  # never emitted
+                       page_size=4, max_target_length=MAXLEN, num_pages=4,
                        sampling=SamplingParams(greedy=True))
     params = eng.load_params()
     ds = eng.init_decode_state()
@@ -200,7 +200,7 @@ def test_pool_exhaustion_refuses_insert(model, reference):
 
 
 def test_sampling_is_reproducible_across_paths(model):
-    eng = DecodeEngine(model, eos_ids=(V + 5,), max_slots=2, page_size=8,
+    eng = DecodeEngine(model, eos_ids=(V + 5,), kv_cache="paged", max_slots=2, page_size=8,
                        max_target_length=MAXLEN,
                        sampling=SamplingParams(temperature=1.0, top_p=0.9, top_k=20))
     params = eng.load_params()
@@ -246,7 +246,7 @@ def test_decode_prompts_equals_the_slot_path(engine, model, reference, eos):
 
 def test_prefill_prompts_on_a_short_pool(model, reference):
     """A row that gets no pages is not live: it generates nothing, the others decode."""
-    eng = DecodeEngine(model, eos_ids=(V + 5,), max_slots=2, page_size=4,
+    eng = DecodeEngine(model, eos_ids=(V + 5,), kv_cache="paged", max_slots=2, page_size=4,
                        max_target_length=MAXLEN, num_pages=3,
                        sampling=SamplingParams(greedy=True))
     params = eng.load_params()

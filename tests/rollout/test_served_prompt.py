@@ -75,7 +75,7 @@ def test_served_text_and_ids_equal_the_engine(tmp_path, adds_bos):
     model = from_pretrained(FIXTURE)
     nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x,
                                    nnx.state(model, nnx.Param)))
-    engine = JetStreamEngine(DecodeEngine(model, eos_ids=(2,), max_slots=2,
+    engine = JetStreamEngine(DecodeEngine(model, eos_ids=(2,), kv_cache="paged", max_slots=2,
                                           max_target_length=64, page_size=16,
                                           sampling=SamplingParams(greedy=True)),
                              tok, max_prefill_length=32)

@@ -87,8 +87,8 @@ class _Steps:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tok = _tokenizer(tmp_path_factory.mktemp("tok") / "words")
-    core = DecodeEngine(from_pretrained(FIXTURE), eos_ids=(), max_slots=SLOTS,  # no early stop
-                        max_target_length=128, page_size=16,
+    core = DecodeEngine(from_pretrained(FIXTURE), eos_ids=(), kv_cache="paged",  # no early stop
+                        max_slots=SLOTS, max_target_length=128, page_size=16,
                         sampling=SamplingParams(greedy=True))
     engine = JetStreamEngine(core, tok, max_prefill_length=PREFILL)
     gate, steps = _Gate(engine.prefill), _Steps(engine.generate)

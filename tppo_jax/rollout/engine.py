@@ -120,16 +120,17 @@ class DecodeEngine:
       max_new_tokens: a sequence is finished once it has generated this many (0: when its
         slot is full); the truncated rollout's L.
       kv_cache: ``paged`` (page_size, num_pages: 0 = every slot at full length), ``dense``, or
-        ``auto`` (``kv_slots.resolve_kind``: paged on TPU/GPU, dense on CPU).
+        ``auto`` (``kv_slots.resolve_kind``: paged on TPU/GPU, dense on CPU); no default here:
+        a run's is ``rollout.kv_cache`` (the one default, in the config).
       sampling: static ``SamplingParams``; seed: the PRNG key every sampling stream derives
         from (with the sequence's ``seq_id`` and position: ``rollout.decode``).
       mesh: lay a dense cache out on it (slots over the batch axes); ``put_rows`` places this
         host's per-slot rows on it.
     """
 
-    def __init__(self, model: nnx.Module, *, eos_ids: Sequence[int], max_slots: int = 8,
-                 max_target_length: int = 512, max_new_tokens: int = 0,
-                 kv_cache: str = "paged", page_size: int = 16, num_pages: int = 0,
+    def __init__(self, model: nnx.Module, *, eos_ids: Sequence[int], kv_cache: str,
+                 max_slots: int = 8, max_target_length: int = 512, max_new_tokens: int = 0,
+                 page_size: int = 16, num_pages: int = 0,
                  sampling: SamplingParams | None = None, seed: int = 0,
                  mesh: Mesh | None = None, attn_impl: str = "auto") -> None:
         if kv_cache not in ("paged", "dense", "auto"):
