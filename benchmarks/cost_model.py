@@ -209,8 +209,8 @@ def _measured(runs: Path, seed: int) -> dict:
 
 def _task_lengths(cfg, runs: Path, n: int) -> np.ndarray:
     """The CPU task's solution lengths in warm-start tokens (queue order)."""
+    from tppo_jax.data.run_data import synthetic_task
     from tppo_jax.models.tokenizer import Tokenizer
-    from tppo_jax.train.warmstart import synthetic_task
 
     tok_file = next(runs.glob("warmstart-*/tokenizer.model"))
     tok = Tokenizer.load(tok_file)

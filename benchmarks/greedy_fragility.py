@@ -41,10 +41,11 @@ def same_size_random(start: dict, moved: dict, key: jax.Array) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     from tppo_jax.cli.runs import load_run_policy
+    from tppo_jax.data.run_data import prompt_rows
     from tppo_jax.eval.heldout import EvalEngines, evaluate
     from tppo_jax.rewards.grader import MathGrader
     from tppo_jax.rollout.decode import SamplingParams
-    from tppo_jax.train.setup import load_models, prompt_rows
+    from tppo_jax.train.setup import load_models
 
     run_dir = Path(args.run_dir)
     cfg, tok, policy, step, _ = load_run_policy(run_dir, None)

@@ -82,9 +82,9 @@ def _ours(run_dir: Path, n: int) -> tuple[list[list[int]], list[np.ndarray], lis
 
     from tppo_jax.cli.runs import load_run_policy
     from tppo_jax.data.prompts import prompt_builder
+    from tppo_jax.data.run_data import load_data
     from tppo_jax.eval.heldout import generate_answers
     from tppo_jax.rollout.decode import SamplingParams
-    from tppo_jax.train.setup import load_data
 
     cfg, tok, policy, step, _ = load_run_policy(run_dir, None, merge_lora=False)
     assert policy.backbone.layers[0].attn.lora is not None, "adapters were merged"

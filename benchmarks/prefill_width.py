@@ -61,7 +61,7 @@ def warm_started(args: argparse.Namespace):
     """``(cfg, tokenizer, policy, prompt rows, prompt encoder)`` for ``args.config``: the
     cached warm-start under ``args.out``'s ``runs/`` (as tppo-vs-ppo), the trainer's rows."""
     from tppo_jax.config import load_config
-    from tppo_jax.train.setup import prompt_rows
+    from tppo_jax.data.run_data import prompt_rows
     from tppo_jax.train.warmstart import warmstart
 
     cfg = load_config(args.config, args.overrides)

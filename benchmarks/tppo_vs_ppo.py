@@ -217,8 +217,9 @@ def _length_report(runs: Path, cfg) -> dict | None:
     median / p90 / p99 / max, against L."""
     import numpy as np
 
+    from tppo_jax.data.run_data import synthetic_task
     from tppo_jax.models.tokenizer import Tokenizer
-    from tppo_jax.train.warmstart import synthetic_task, warmstart_key
+    from tppo_jax.train.warmstart import warmstart_key
 
     tok_file = runs / f"warmstart-{warmstart_key(cfg)}" / "tokenizer.model"
     if cfg.data.source != "synthetic" or not tok_file.exists():

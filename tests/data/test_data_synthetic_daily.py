@@ -6,8 +6,8 @@ import pytest
 import sympy
 
 from tppo_jax.config import ConfigError, load_config
+from tppo_jax.data.run_data import synthetic_task
 from tppo_jax.data.synthetic import SyntheticMathTask
-from tppo_jax.train.warmstart import synthetic_task
 
 
 def test_daily_problem_is_one_step_per_day_with_exact_answer():

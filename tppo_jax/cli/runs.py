@@ -33,10 +33,10 @@ def _preview_args(p: argparse.ArgumentParser) -> None:
 def cmd_data_preview(args: argparse.Namespace) -> int:
     from tppo_jax.config import load_config
     from tppo_jax.data.prompts import SHORT_ANSWER_CUE, prompt_builder
+    from tppo_jax.data.run_data import load_data, synthetic_task
     from tppo_jax.data.synthetic import length_histogram
     from tppo_jax.models.tokenizer import Tokenizer
-    from tppo_jax.train.setup import load_data, model_folder
-    from tppo_jax.train.warmstart import synthetic_task
+    from tppo_jax.train.setup import model_folder
 
     cfg = load_config(args.config, args.overrides)
     train_rows, _ = load_data(cfg)
@@ -192,11 +192,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return cmd_benchmark(args, load_run_policy)
     refuse_benchmark_options(args)
     from tppo_jax.data.prompts import prompt_builder
+    from tppo_jax.data.run_data import prompt_rows
     from tppo_jax.eval.heldout import EvalEngines, evaluate
     from tppo_jax.eval.protocol import protocol_named
     from tppo_jax.rewards.grader import MathGrader
     from tppo_jax.rollout.decode import SamplingParams
-    from tppo_jax.train.setup import prompt_rows
 
     run_dir = Path(args.run_dir)
     cfg, tok, policy, step, _ = load_run_policy(run_dir, args.step)

@@ -21,9 +21,8 @@ from flax import nnx
 
 from tppo_jax.config import Config, ConfigError, validate
 from tppo_jax.data.pipeline import PromptPipeline
-from tppo_jax.data.prompts import prompt_builder
 from tppo_jax.data.readers import MathExample
-from tppo_jax.data.sources import read_source
+from tppo_jax.data.run_data import prompt_rows
 from tppo_jax.eval.heldout import EvalEngines
 from tppo_jax.models.lora import add_lora, lora_spec
 from tppo_jax.models.tokenizer import Tokenizer
@@ -58,7 +57,7 @@ from tppo_jax.train.trainable import (
 )
 from tppo_jax.train.update import Updater, make_updater
 from tppo_jax.train.wandb_log import wandb_settings
-from tppo_jax.train.warmstart import RUN_SUBDIR, run_warmstart, synthetic_task
+from tppo_jax.train.warmstart import RUN_SUBDIR, run_warmstart
 
 log = logging.getLogger(__name__)
 
@@ -186,25 +185,6 @@ def reference_copy(params: Any) -> Any:
     return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
 
 
-def prompt_rows(cfg: Config, tok: Tokenizer
-                ) -> tuple[list[MathExample], list[MathExample], Callable]:
-    """(train rows, held-out rows, prompt encoder), rows whose prompt does not fit dropped."""
-    r = cfg.rollout
-    train_rows, eval_rows = load_data(cfg)
-    prompter = prompt_builder(cfg, tok)
-    encode = lambda e: prompter.ids(e, tok)  # noqa: E731
-    # A truncated prompt loses its question, so over-long prompts are skipped, not cut.
-    fits = [e for e in train_rows if len(encode(e)) <= r.max_prompt_len]
-    if len(fits) < len(train_rows):
-        log.warning("data: skipped %d of %d prompts longer than rollout.max_prompt_len=%d",
-                    len(train_rows) - len(fits), len(train_rows), r.max_prompt_len)
-    if not fits:
-        raise ConfigError(f"every prompt is longer than rollout.max_prompt_len="
-                          f"{r.max_prompt_len} tokens")
-    eval_rows = [e for e in eval_rows if len(encode(e)) <= r.max_prompt_len] or eval_rows
-    return fits, eval_rows, encode
-
-
 def decode_shardings(cfg: Config, models: Models, mesh: Any) -> Any:
     """The policy's param shardings in the decode layout (``mesh.decode_layout: decode``),
     else None: rollout then reads the params as the updates lay them out."""
@@ -330,22 +310,5 @@ def model_folder(cfg: Config, cache_root: Path) -> Path:
         return cached_hf_folder(gguf_file, cache_root)
     except GGUFError as e:
         raise ConfigError(str(e)) from None
-
-
-def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample]]:
-    """(train, held-out) rows; prompts are built from them by ``data/prompts.py``."""
-    d = cfg.data
-    if d.source == "synthetic":
-        task = synthetic_task(cfg)
-        return task.sample(20000, "train"), task.sample(d.eval_size, "test")
-    rows, report = read_source(d.source, format=d.format, fields=d.fields or None,
-                               on_bad_row=d.on_bad_row, split=d.split, hf_config=d.hf_config,
-                               hf_revision=d.hf_revision)
-    if report.num_bad:
-        log.warning("data: skipped %d bad rows of %s", report.num_bad, d.source)
-    if len(rows) <= d.eval_size:
-        raise ConfigError(f"data.source {d.source} has {len(rows)} rows; need more than "
-                          f"data.eval_size={d.eval_size}")
-    return rows[:-d.eval_size], rows[-d.eval_size:]
 
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from tppo_jax.config import Config, DataConfig
 from tppo_jax.data.prompts import SHORT_ANSWER_CUE
-from tppo_jax.data.synthetic import SyntheticMathTask
+from tppo_jax.data.run_data import synthetic_task
 from tppo_jax.models.hf import from_pretrained, save_pretrained
 from tppo_jax.models.tokenizer import Tokenizer, train_sentencepiece
 from tppo_jax.models.transformer import ModelConfig, Transformer, create_model
@@ -41,13 +41,6 @@ RUN_SUBDIR = "warmstart"  # the run directory's own copy of its warm-start
 
 TEACHER_SIZE = 20000
 WIDTH_BUCKET = 32  # SFT batches are padded to a multiple of this many tokens
-
-
-def synthetic_task(cfg: Config) -> SyntheticMathTask:
-    """The embedded task as configured in ``cfg.data``."""
-    d = cfg.data
-    return SyntheticMathTask(seed=d.seed, difficulty=d.difficulty, max_operand=d.max_operand,
-                             max_value=d.max_value, max_steps=d.max_steps, style=d.style)
 
 
 def warmstart_key(cfg: Config) -> str:
