@@ -138,6 +138,7 @@ class OptimConfig:
     policy_lr: float = 2e-4
     value_lr: float = 5e-4
     warmup_steps: int = 5
+    policy_lr_decay_steps: int = 0  # after warm-up, cosine decay to 0 over these steps; 0: off
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.999

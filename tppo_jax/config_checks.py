@@ -113,6 +113,7 @@ RANGES: dict[str, Range] = {
     "algo.value_clip_high": NON_NEGATIVE,
     "optim.policy_lr": NON_NEGATIVE, "optim.value_lr": NON_NEGATIVE,
     "optim.warmup_steps": NON_NEGATIVE, "optim.weight_decay": NON_NEGATIVE,
+    "optim.policy_lr_decay_steps": NON_NEGATIVE,
     "optim.b1": Range(0, 1, hi_open=True), "optim.b2": Range(0, 1, hi_open=True),
     "optim.eps": POSITIVE,
     "optim.grad_clip": NON_NEGATIVE,  # 0 = no clipping

@@ -45,6 +45,17 @@ def _train_batch(seed=0, logp=None):
             "policy_mask": jnp.ones((B, S)).at[:, 0].set(0.0), "positive_mask": jnp.zeros((B, S))}
 
 
+def test_policy_lr_decays_to_zero_over_its_training_steps():
+    optim = OptimConfig(warmup_steps=2, minibatches=2, epochs=1, policy_lr_decay_steps=10)
+    sched = lr_schedule(1.0, optim, decay_steps=optim.policy_lr_decay_steps)
+    n = 4  # warm-up: 2 training steps x 2 updates
+    assert float(sched(n)) == pytest.approx(1.0)
+    assert float(sched(n + 10)) == pytest.approx(0.5)  # half of 10 steps x 2 updates
+    assert float(sched(n + 20)) == pytest.approx(0.0, abs=1e-7)
+    assert float(sched(n + 30)) == pytest.approx(0.0, abs=1e-7)  # stays at 0 after it
+    assert float(lr_schedule(1.0, optim)(n + 20)) == pytest.approx(1.0)  # no decay: constant
+
+
 def test_warmup_counts_training_steps_not_updates():
     optim = OptimConfig(warmup_steps=5, minibatches=4, epochs=2)
     assert updates_per_step(optim) == 8

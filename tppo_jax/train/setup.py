@@ -156,7 +156,8 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
     run = Run(cfg, rd, mesh, models, train_rows, eval_rows, encode, pipeline,
               SamplingParams(r.temperature, r.top_p, r.top_k), decode_shardings(cfg, models, mesh),
               ckpt, progress)
-    tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim)
+    tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim,
+                          decay_steps=cfg.optim.policy_lr_decay_steps)
     tx_v = make_optimizer(cfg.optim.value_lr, cfg.optim, cfg.optim.critic_epochs)
     keep_p, keep_v = trainable_keys(cfg)  # LoRA: AdamW states for the adapters alone
     state = TrainState(models.policy, models.value,

@@ -43,24 +43,29 @@ def updates_per_step(optim: OptimConfig, epochs: int | None = None) -> int:
     return optim.minibatches * (optim.epochs if epochs is None else epochs)
 
 
-def lr_schedule(lr: float, optim: OptimConfig, epochs: int | None = None) -> optax.Schedule:
-    """Linear warm-up over ``optim.warmup_steps`` *training steps*, then constant.
+def lr_schedule(lr: float, optim: OptimConfig, epochs: int | None = None,
+                decay_steps: int = 0) -> optax.Schedule:
+    """Linear warm-up over ``optim.warmup_steps`` *training steps*, then constant, or with
+    ``decay_steps`` a cosine decay to 0 over that many training steps (then 0).
 
     The schedule's clock is optax's update count, so the warm-up is scaled to
     ``warmup_steps * updates_per_step`` updates (the paper's "20 warm-up steps" with 16
     minibatches is 320 updates, not 20). A minibatch with nothing to train on takes no update
     and does not advance the clock (see ``guarded_apply``).
     """
-    n = max(optim.warmup_steps * updates_per_step(optim, epochs), 1)
-    return optax.join_schedules([optax.linear_schedule(lr / n, lr, n),
-                                 optax.constant_schedule(lr)], [n])
+    ups = updates_per_step(optim, epochs)
+    n = max(optim.warmup_steps * ups, 1)
+    after = (optax.cosine_decay_schedule(lr, decay_steps * ups) if decay_steps > 0
+             else optax.constant_schedule(lr))
+    return optax.join_schedules([optax.linear_schedule(lr / n, lr, n), after], [n])
 
 
-def make_optimizer(lr: float, optim: OptimConfig, epochs: int | None = None
-                   ) -> optax.GradientTransformation:
-    """AdamW on ``lr_schedule`` (``epochs`` passes per step) after global-norm clipping."""
+def make_optimizer(lr: float, optim: OptimConfig, epochs: int | None = None,
+                   decay_steps: int = 0) -> optax.GradientTransformation:
+    """AdamW on ``lr_schedule`` (``epochs`` passes per step, ``decay_steps``) after
+    global-norm clipping."""
     parts = [optax.clip_by_global_norm(optim.grad_clip)] if optim.grad_clip > 0 else []
-    parts.append(optax.adamw(lr_schedule(lr, optim, epochs), b1=optim.b1, b2=optim.b2,
+    parts.append(optax.adamw(lr_schedule(lr, optim, epochs, decay_steps), b1=optim.b1, b2=optim.b2,
                              eps=optim.eps, weight_decay=optim.weight_decay))
     return optax.chain(*parts)
 
