@@ -14,6 +14,7 @@ identical (the trimmed prefill is exact). Writes ``results/prefill_width.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -35,13 +36,10 @@ def make_scheduler(cfg, tok, model, examples, encode, window: int, full_width: b
             return self.engine.prefill_slots(self.params, self.ds, self._put(st.tokens),
                                              self._put(st.total_len), self._put(rows))
 
-    r = cfg.rollout
+    r = dataclasses.replace(cfg.rollout, window=window, kv_cache="dense")
     cls = FullWidth if full_width else TruncatedRolloutScheduler
-    return cls(model, itertools.cycle(examples), encode, slots=r.slots,
-               group_size=r.group_size, max_prompt_len=r.max_prompt_len,
-               max_response_len=r.max_response_len, window=window, eos_ids=tok.eos_ids,
-               sampling=SamplingParams(temperature=r.temperature), kv_policy=r.kv_policy,
-               seed=0, kv_cache="dense")
+    return cls(model, itertools.cycle(examples), encode, r, eos_ids=tok.eos_ids,
+               sampling=SamplingParams(temperature=r.temperature), seed=0)
 
 
 def _time(sched, warmup: int, steps: int) -> tuple[list[float], list[np.ndarray]]:

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 
-def _batches(cfg, tok, model, examples, encode, window: int, n: int, skip: int) -> list:
+def graded_batches(cfg, tok, model, examples, encode, window: int, n: int, skip: int) -> list:
     """``n`` rollout windows from a fresh scheduler after ``skip`` untimed ones (so T-PPO's
     slots hold continuing rows of every age, as in training), graded:
     ``[(rb, reward, correct)]``."""
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> dict:
     out: dict = {"config": args.config, "slots": r.slots, "L": L, "steps": args.steps,
                  "cpu": args.cpu_note, "methods": {}}
     for name, window in (("tppo", r.window), ("ppo", L)):
-        batches = _batches(cfg, tok, model, examples, encode, window, args.steps,
+        batches = graded_batches(cfg, tok, model, examples, encode, window, args.steps,
                            args.skip if name == "tppo" else 1)
         res, diff, timed = _time_method(cfg, models, txs, mesh, min(window, L), batches)
         out["methods"][name] = summary = _summary(res, diff, timed)

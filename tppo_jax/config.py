@@ -126,6 +126,8 @@ class AlgoConfig:
     # A wrong answer's lines before its first invalid step (sympy step verifier) get no policy
     # advantage: the outcome blames the slip and what follows, not the right lines before it
     blame_from_first_error: bool = False
+    # The policy's update runs columns before a row's window forward only (docs/config.md)
+    detach_prefix: bool = False
     advantage_clip: float | None = 10.0
     value_clip_low: float | None = 0.5
     value_clip_high: float | None = 0.6

@@ -165,3 +165,54 @@ def test_first_update_compiles_once_per_shape():
     for _ in range(3):
         params, opt, _ = fn(params, opt, batch)
     assert fn.grads._cache_size() == 1 and fn.apply._cache_size() == 1
+
+
+def test_detach_prefix_plans_forward_only_columns_before_every_window():
+    """Each group's forward-only prefix is a multiple of 64 columns, below its width and
+    before the column that predicts any of its rows' first window token."""
+    lengths = np.array([300, 290, 200, 140, 90, 40, 260, 75])
+    starts = np.array([256, 230, 150, 130, 40, 20, 200, 64])
+    plan = plan_update(lengths, minibatches=1, epochs=1, grad_accum=1, unit=1, cap=320,
+                       first_needed=starts - 1)
+    groups = plan[0].groups
+    for g in groups:
+        assert g.grad_from % 64 == 0 and g.grad_from < g.width
+        assert g.grad_from <= (starts[g.rows[g.valid]] - 1).min()
+    assert max(g.grad_from for g in groups) >= 128
+    assert all(g.grad_from == 0 for g in plan_update(
+        lengths, minibatches=1, epochs=1, grad_accum=1, unit=1, cap=320)[0].groups)
+
+
+def test_detach_prefix_update_keeps_the_loss_and_moves_the_params_nearly_alike():
+    """On rows whose trained tokens are a late window, the detached update reports the same
+    loss (the forward's values are the full one's) and takes a step close to, but not equal
+    to, the full-gradient step."""
+    policy = create_model(ModelConfig.tiny(vocab_size=32))
+    gd, st = nnx.split(policy)
+    lengths = np.array([150, 140, 130, 100, 90, 70])
+    starts = lengths - 24
+    batch = _rows_of_lengths(lengths, 160)
+    window = (np.arange(160)[None] >= starts[:, None]) & (np.arange(160)[None] < lengths[:, None])
+    batch["policy_mask"] = jnp.asarray(window, jnp.float32)
+    batch["positive_mask"] = jnp.zeros_like(batch["policy_mask"])
+    optim = OptimConfig(warmup_steps=1, minibatches=1)
+    tx = optax.sgd(1e-2)
+    out = {}
+    for detach in (False, True):
+        cfg = StepConfig(algo=AlgoConfig(detach_prefix=detach), optim=optim, window=32,
+                         temperature=1.0)
+        upd = make_updater("policy", gd, tx=tx, cfg=cfg)
+        plan = upd.plan(lengths, 160, window_start=starts)
+        assert any(g.grad_from for mb in plan for g in mb.groups) == detach
+        params = jax.tree.map(jnp.array, nnx.to_pure_dict(st))
+        new, _, stats = upd(params, tx.init(params), batch, plan=plan)
+        out[detach] = (jax.device_get(new), jax.device_get(stats))
+    np.testing.assert_allclose(out[True][1]["policy_loss"], out[False][1]["policy_loss"],
+                               rtol=1e-5)
+    base = jax.tree.leaves(nnx.to_pure_dict(st))
+    d_full = np.concatenate([np.ravel(a - p) for a, p in zip(
+        jax.tree.leaves(out[False][0]), base, strict=True)])
+    d_det = np.concatenate([np.ravel(a - p) for a, p in zip(
+        jax.tree.leaves(out[True][0]), base, strict=True)])
+    cos = d_full @ d_det / (np.linalg.norm(d_full) * np.linalg.norm(d_det))
+    assert 0.5 < cos < 1 - 1e-6

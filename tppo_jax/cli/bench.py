@@ -8,7 +8,8 @@ from collections.abc import Callable
 BENCHMARKS = {"tppo-vs-ppo": "tppo_vs_ppo", "decode": "decode", "intensity": "intensity",
               "accelerator": "accelerator", "cost-model": "cost_model",
               "prefill-width": "prefill_width", "update-groups": "update_groups",
-              "learning": "learning", "lora-export": "lora_export"}
+              "update-split": "update_split", "learning": "learning",
+              "lora-export": "lora_export"}
 
 
 def _available_benchmarks() -> list[str]:

@@ -217,6 +217,19 @@ class Attention(nnx.Module):
         out, cache = cache.update_and_attend(layer_idx, q, k, v, positions, valid)
         return project(self, "o", out), cache
 
+    def split(self, xp: jax.Array, xs: jax.Array, pos_p: jax.Array, pos_s: jax.Array,
+              mask_p: jax.Array, mask_s: jax.Array, inv_freq: jax.Array):
+        """``__call__`` over a prefix ``xp [B, P, H]`` and the suffix ``xs [B, T-P, H]`` after
+        it, the prefix's keys and values without gradient: ``(out_p, out_s)``.
+        ``mask_p [B, P, P]``, ``mask_s [B, T-P, T]`` (rows ``P:`` of the full mask)."""
+        qp, kp, vp = self._qkv(xp, pos_p, inv_freq)
+        qs, ks, vs = self._qkv(xs, pos_s, inv_freq)
+        kp, vp = jax.lax.stop_gradient(kp), jax.lax.stop_gradient(vp)
+        out_p = gqa_attention(qp, kp, vp, mask_p)
+        out_s = gqa_attention(qs, jnp.concatenate([kp, ks], 1), jnp.concatenate([vp, vs], 1),
+                              mask_s)
+        return project(self, "o", out_p), project(self, "o", out_s)
+
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate x) * up x)``."""
@@ -254,6 +267,15 @@ class DecoderLayer(nnx.Module):
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), cache
 
+    def split(self, xp, xs, pos_p, pos_s, mask_p, mask_s, inv_freq):
+        """The layer over a prefix that runs forward only (its outputs carry no gradient)
+        and the suffix after it, which attends to the prefix: ``(xp, xs)``."""
+        ap, a_s = self.attn.split(self.attn_norm(xp), self.attn_norm(xs), pos_p, pos_s,
+                                  mask_p, mask_s, inv_freq)
+        xp, xs = xp + ap, xs + a_s
+        xp = jax.lax.stop_gradient(xp + self.mlp(self.mlp_norm(xp)))
+        return xp, xs + self.mlp(self.mlp_norm(xs))
+
 
 def _default_positions(tokens: jax.Array) -> jax.Array:
     b, t = tokens.shape
@@ -262,6 +284,10 @@ def _default_positions(tokens: jax.Array) -> jax.Array:
 
 def _run_layer(layer: DecoderLayer, x, positions, mask, inv_freq) -> jax.Array:
     return layer(x, positions, mask, inv_freq)
+
+
+def _run_split_layer(layer: DecoderLayer, xp, xs, pos_p, pos_s, mask_p, mask_s, inv_freq):
+    return layer.split(xp, xs, pos_p, pos_s, mask_p, mask_s, inv_freq)
 
 
 class Backbone(nnx.Module):
@@ -275,11 +301,17 @@ class Backbone(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None) -> jax.Array:
+                 attention_mask: jax.Array | None = None, grad_from: int = 0) -> jax.Array:
         """``tokens [B, T]`` -> final-normed hidden states ``[B, T, H]`` (config dtype).
 
         Attention is causal by index with padded keys (``attention_mask == 0``) masked out,
         i.e. right padding; ``positions`` default to ``0..T-1`` and only drive RoPE.
+
+        ``grad_from`` (static, ``0 <= P < T``): columns ``:P`` run forward only. Their hidden
+        states, keys and values carry no gradient, so the backward pass covers columns
+        ``P:`` alone; the values are those of the full pass. This is what T-PPO's policy
+        update needs for a continuation whose trained window starts after ``P``: the
+        earlier windows' columns cost a forward, not a forward and a backward.
         """
         b, t = tokens.shape
         positions = _default_positions(tokens) if positions is None else positions
@@ -287,10 +319,25 @@ class Backbone(nnx.Module):
         inv_freq = rope_inv_freq(self.config)
         x = jnp.take(self.embed[...], tokens, axis=0)
         policy = REMAT_POLICIES[self.config.remat_policy]
+        if grad_from:
+            return self._split(x, positions, mask, inv_freq, grad_from, policy)
         run = nnx.remat(_run_layer, policy=policy) if self.config.remat else _run_layer
         for layer in self.layers:
             x = run(layer, x, positions, mask, inv_freq)
         return self.final_norm(x)
+
+    def _split(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
+               inv_freq: jax.Array, p: int, policy: Any) -> jax.Array:
+        """The layers over ``x [B, T, H]`` with columns ``:p`` forward only."""
+        if not 0 < p < x.shape[1]:
+            raise ValueError(f"grad_from={p} must be in [0, {x.shape[1]}) columns")
+        run = (nnx.remat(_run_split_layer, policy=policy) if self.config.remat
+               else _run_split_layer)
+        xp, xs = jax.lax.stop_gradient(x[:, :p]), x[:, p:]
+        for layer in self.layers:
+            xp, xs = run(layer, xp, xs, positions[:, :p], positions[:, p:], mask[:, :p, :p],
+                         mask[:, p:], inv_freq)
+        return self.final_norm(jnp.concatenate([xp, xs], axis=1))
 
     def with_cache(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
                    valid: jax.Array) -> tuple[jax.Array, KVCache]:
@@ -324,9 +371,10 @@ class Transformer(nnx.Module):
                           preferred_element_type=jnp.float32)
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
-                      attention_mask: jax.Array | None = None) -> jax.Array:
+                      attention_mask: jax.Array | None = None, grad_from: int = 0
+                      ) -> jax.Array:
         """Final-normed hidden states ``[B, T, H]``; see ``Backbone.__call__``."""
-        return self.backbone(tokens, positions, attention_mask)
+        return self.backbone(tokens, positions, attention_mask, grad_from)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None) -> jax.Array:

@@ -53,21 +53,24 @@ def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh
 class RowPlan:
     """What the updates' plans need, as host arrays over every host's rows (global row order,
     so every host plans the same steps): ``lengths [B]`` columns each row uses, ``shuffle
-    [B, epochs]`` each epoch's row order, ``finished`` the rows the critic trains on."""
+    [B, epochs]`` each epoch's row order, ``finished`` the rows the critic trains on,
+    ``window_start [B]`` each row's first current-window column."""
 
     lengths: np.ndarray
     shuffle: np.ndarray
     finished: np.ndarray
+    window_start: np.ndarray
 
 
 def row_plan(rb: RolloutBatch, shuffle: np.ndarray) -> RowPlan:
     """This rollout's ``RowPlan`` (``shuffle``: this host's ``shuffle_keys``)."""
     if jax.process_count() == 1:
-        lengths, fin = rb.total_len, rb.finished
+        lengths, fin, start = rb.total_len, rb.finished, rb.window_start
     else:
         lengths, fin = mh.gather_rows(rb.total_len), mh.gather_rows(rb.finished)
-        shuffle = mh.gather_rows(shuffle)
-    return RowPlan(np.asarray(lengths), np.asarray(shuffle), np.flatnonzero(fin))
+        shuffle, start = mh.gather_rows(shuffle), mh.gather_rows(rb.window_start)
+    return RowPlan(np.asarray(lengths), np.asarray(shuffle), np.flatnonzero(fin),
+                   np.asarray(start))
 
 
 def shuffle_keys(cfg: Config, step: int, rows: int) -> np.ndarray:

@@ -184,7 +184,8 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
     width = int(train_batch["tokens"].shape[1])
     policy, opt_p, pstats, cells = state.policy, state.policy_opt, {}, 0
     if step >= cfg.algo.critic_warmup_steps:
-        p_plan = fns.policy.plan(plan.lengths, width, plan.shuffle)
+        p_plan = fns.policy.plan(plan.lengths, width, plan.shuffle,
+                                 window_start=plan.window_start)
         policy, opt_p, pstats = fns.policy(policy, opt_p, train_batch, plan=p_plan,
                                            ref=run.ref_policy)
         cells = plan_cells(p_plan)

@@ -186,8 +186,8 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
 
 
 def policy_group_loss(graphdef: Any, params: Any, mb: dict[str, jax.Array],
-                      denoms: dict[str, jax.Array], ref: Any = None, *, cfg: StepConfig
-                      ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                      denoms: dict[str, jax.Array], ref: Any = None, *, cfg: StepConfig,
+                      grad_from: int = 0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The policy loss of one row group of a minibatch: clipped surrogate on the policy mask
     + ``nll_coef`` x positive-example NLL (+ ``kl_coef`` x KL to the reference policy, whose
     params ``ref`` are given when ``kl_coef > 0``), each divided by the whole minibatch's
@@ -195,11 +195,12 @@ def policy_group_loss(graphdef: Any, params: Any, mb: dict[str, jax.Array],
     minibatch's loss and mean stats are the sums over its groups.
 
     ``mb``: ``[R, W]`` ``tokens, attn, sample_logprobs, advantages, policy_mask,
-    positive_mask``.
+    positive_mask``. ``grad_from`` (static): columns before it run forward only
+    (``algo.detach_prefix``; ``update_plan`` puts it before every row's trained window).
     """
     a = cfg.algo
     model = nnx.merge(graphdef, params)
-    hidden = model.hidden_states(mb["tokens"], attention_mask=mb["attn"])
+    hidden = model.hidden_states(mb["tokens"], attention_mask=mb["attn"], grad_from=grad_from)
     logp, ent = _token_logprobs(model, hidden, mb["tokens"], cfg.temperature)
     pl, stats = algo.policy_loss(logp, mb["sample_logprobs"], mb["advantages"],
                                  mb["policy_mask"], eps_low=a.eps_low, eps_high=a.eps_high,

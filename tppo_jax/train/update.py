@@ -99,6 +99,26 @@ def lora_loss(loss_fn: Callable, base_ref: bool, train: Any, mb: dict[str, jax.A
     return loss_fn(join_params(train, frozen), mb, denoms, *ref)
 
 
+class GroupGrads:
+    """``group_grads`` jitted once per forward-only prefix (``grad_from``, a static of the
+    policy's forward) and, as any jitted function, once per group shape:
+    ``grads(params, mb, denoms, *extra, grad_from=P)``. ``make(P)`` builds the jitted
+    function for ``P``; ``_cache_size()`` counts the shapes of all of them (the compile
+    watch reads it)."""
+
+    def __init__(self, make: Callable[[int], Callable]) -> None:
+        self._make = make
+        self._fns: dict[int, Callable] = {}
+
+    def __call__(self, *args: Any, grad_from: int = 0) -> tuple[dict[str, jax.Array], Any]:
+        if grad_from not in self._fns:
+            self._fns[grad_from] = self._make(grad_from)
+        return self._fns[grad_from](*args)
+
+    def _cache_size(self) -> int:
+        return sum(int(f._cache_size()) for f in self._fns.values())
+
+
 def add_groups(a: tuple[dict, Any], b: tuple[dict, Any]) -> tuple[dict, Any]:
     """Two groups' ``(stats, grads)`` summed (``MAX_STATS`` by max)."""
     stats = {k: jnp.maximum(v, b[0][k]) if k in MAX_STATS else v + b[0][k]
@@ -156,7 +176,7 @@ class Updater:
     cfg: StepConfig
     unit: int  # group rows are multiples of it (the batch axes' size)
     take: Callable
-    grads: Callable  # the one that compiles per group shape
+    grads: GroupGrads  # the one that compiles per group shape
     add: Callable
     apply: Callable
     counts: Callable
@@ -167,13 +187,20 @@ class Updater:
     trainable: tuple[str, ...] | None = None  # None: every param trains; else LoRA
 
     def plan(self, lengths: np.ndarray, width: int, shuffle: np.ndarray | None = None,
-             rows: np.ndarray | None = None) -> list[Minibatch]:
-        """``update_plan.plan_update`` for this update's optimizer settings and mesh."""
+             rows: np.ndarray | None = None, window_start: np.ndarray | None = None
+             ) -> list[Minibatch]:
+        """``update_plan.plan_update`` for this update's optimizer settings and mesh. With
+        ``algo.detach_prefix``, the policy's groups run the columns before their rows'
+        windows (``window_start [B]``) forward only."""
         o = self.cfg.optim
         epochs = o.epochs if self.kind == "policy" else o.critic_epochs
+        first = None
+        if self.kind == "policy" and self.cfg.algo.detach_prefix and window_start is not None:
+            # a window's first token is predicted from the column before it
+            first = np.maximum(np.asarray(window_start) - 1, 0)
         return plan_update(lengths, minibatches=o.minibatches, epochs=epochs,
                            grad_accum=o.grad_accum, unit=self.unit, cap=width,
-                           shuffle=shuffle, rows=rows)
+                           shuffle=shuffle, rows=rows, first_needed=first)
 
     def __call__(self, params: Any, opt_state: Any, batch: dict[str, jax.Array], *,
                  plan: list[Minibatch] | None = None, lengths: np.ndarray | None = None,
@@ -199,7 +226,7 @@ class Updater:
             acc = None
             for g in mb.groups:
                 part = self.grads(params, self.take(batch, g.rows, g.valid, width=g.width), d,
-                                  *extra)
+                                  *extra, grad_from=g.grad_from)
                 acc = part if acc is None else self.add(acc, part)
             if acc is None:  # no rows: no step (stats filled in below)
                 per_mb.append(None)
@@ -231,12 +258,14 @@ def make_updater(kind: Kind, graphdef: Any, *, tx: optax.GradientTransformation,
     """The policy or value ``Updater``; with ``mesh``, its steps declare the shardings of
     ``params`` and ``opt_state`` as placed now (in and out) and split row groups over the
     batch axes. ``trainable``: see ``Updater`` (LoRA; ``opt_state`` is the adapters')."""
-    loss = partial(policy_group_loss if kind == "policy" else value_group_loss, graphdef,
-                   cfg=cfg)
     kl = kind == "policy" and cfg.algo.kl_coef > 0
-    if trainable is not None:
-        loss = partial(lora_loss, loss, kl)
-    grads = partial(group_grads, loss)
+
+    def grads(grad_from: int) -> Callable:  # the group gradient for one forward-only prefix
+        loss = (partial(policy_group_loss, graphdef, cfg=cfg, grad_from=grad_from)
+                if kind == "policy" else partial(value_group_loss, graphdef, cfg=cfg))
+        if trainable is not None:
+            loss = partial(lora_loss, loss, kl)
+        return partial(group_grads, loss)
     apply = partial(apply_step, tx=tx, kind=kind)
     name = "policy" if kind == "policy" else "value"
     first = FIRST_MB_STATS if kind == "policy" else ()
@@ -249,7 +278,8 @@ def make_updater(kind: Kind, graphdef: Any, *, tx: optax.GradientTransformation,
     take = partial(take_rows, kind=kind)
     if mesh is None:
         return Updater(unit=1, take=jax.jit(take, static_argnames="width"),
-                       grads=jax.jit(grads), apply=jax.jit(apply, donate_argnums=(0, 1)),
+                       grads=GroupGrads(lambda p: jax.jit(grads(p))),
+                       apply=jax.jit(apply, donate_argnums=(0, 1)),
                        **common)
     from tppo_jax.parallel.mesh import data_parallel_size
 
@@ -262,7 +292,8 @@ def make_updater(kind: Kind, graphdef: Any, *, tx: optax.GradientTransformation,
     return Updater(
         unit=data_parallel_size(mesh),
         take=jax.jit(take, static_argnames="width", out_shardings=rows),
-        grads=jax.jit(grads, in_shardings=(p, rows, rep, *extra), out_shardings=(rep, p)),
+        grads=GroupGrads(lambda gf: jax.jit(grads(gf), in_shardings=(p, rows, rep, *extra),
+                                            out_shardings=(rep, p))),
         apply=jax.jit(apply, donate_argnums=(0, 1), in_shardings=(p, o, p, rep, rep),
                       out_shardings=(p, o, rep)),
         **common)

@@ -25,11 +25,13 @@ from tppo_jax.buckets import bucket_width
 @dataclass(frozen=True)
 class RowGroup:
     """Rows run together at one width: ``rows [R]`` global row indices (padding repeats a
-    row), ``valid [R]`` (False on padding), ``width`` columns."""
+    row), ``valid [R]`` (False on padding), ``width`` columns; the first ``grad_from`` of
+    them run forward only (no row trains a token there)."""
 
     rows: np.ndarray
     valid: np.ndarray
     width: int
+    grad_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,19 @@ class Minibatch:
 # shortest widths a whole minibatch, at the longest a row or two. Fewer cells per group would
 # mean more, smaller dispatches; more would let short rows ride along at long widths.
 GROUP_COLUMNS = 64
+
+# A group's forward-only prefix is a multiple of this many columns: each (width, prefix)
+# pair compiles once, so a coarse step keeps the shapes few; a row's trained window (l
+# tokens) starts at most one step after its group's gradient does.
+PREFIX_STEP = 64
+
+
+def forward_only_columns(first_needed: np.ndarray, width: int) -> int:
+    """Leading columns a group of rows may run forward only: the earliest column any of its
+    rows needs a gradient at (``first_needed``, host ints), rounded down to ``PREFIX_STEP``
+    and below ``width``."""
+    p = int(first_needed.min()) // PREFIX_STEP * PREFIX_STEP
+    return max(0, min(p, (width - 1) // PREFIX_STEP * PREFIX_STEP))
 
 
 def max_group_rows(batch: int, minibatches: int, grad_accum: int) -> int:
@@ -62,10 +77,12 @@ def group_rows(width: int, max_rows: int, unit: int) -> int:
 
 
 def plan_minibatch(rows: np.ndarray, lengths: np.ndarray, batch: int, *, max_rows: int,
-                   unit: int, cap: int) -> Minibatch:
+                   unit: int, cap: int, first_needed: np.ndarray | None = None) -> Minibatch:
     """The row groups of one minibatch: its rows longest first, each group the next
     ``group_rows(w)`` of them at the width bucket ``w`` of the longest (so a group's shorter
-    rows fill room its width pays for anyway); the last group is padded."""
+    rows fill room its width pays for anyway); the last group is padded. ``first_needed
+    [B]``: the first column each row needs a gradient at (None: column 0); a group's
+    ``grad_from`` is ``forward_only_columns`` of its rows'."""
     weight = np.zeros(batch, np.float32)
     weight[rows] = 1.0
     order = rows[np.argsort(-lengths[rows], kind="stable")]
@@ -76,14 +93,16 @@ def plan_minibatch(rows: np.ndarray, lengths: np.ndarray, batch: int, *, max_row
         chunk = order[i:i + r]
         i += len(chunk)
         pad = np.full(r - len(chunk), chunk[0], np.int64)
+        p = 0 if first_needed is None else forward_only_columns(first_needed[chunk], w)
         groups.append(RowGroup(np.concatenate([chunk, pad]).astype(np.int32),
-                               np.arange(r) < len(chunk), w))
+                               np.arange(r) < len(chunk), w, p))
     return Minibatch(weight, tuple(groups))
 
 
 def plan_update(lengths: np.ndarray, *, minibatches: int, epochs: int, grad_accum: int,
                 unit: int, cap: int, shuffle: np.ndarray | None = None,
-                rows: np.ndarray | None = None) -> list[Minibatch]:
+                rows: np.ndarray | None = None, first_needed: np.ndarray | None = None
+                ) -> list[Minibatch]:
     """Every optimizer step of one update, in order: ``epochs`` passes, each over
     ``minibatches`` near-equal splits of ``rows`` (default: all) ordered by that epoch's
     ``shuffle`` keys (``[B, epochs]``; the given order without them).
@@ -94,6 +113,8 @@ def plan_update(lengths: np.ndarray, *, minibatches: int, epochs: int, grad_accu
         (``max_rows``: activation memory of one group at a time).
       unit: row counts are multiples of it (the batch axes' size on the mesh).
       cap: the widest width (the token buffer's).
+      first_needed: ``[B]`` the first column each row needs a gradient at; groups run the
+        columns before their rows' earliest forward only (None: every column trains).
     Returns ``epochs * minibatches`` minibatches (one with no rows has no groups).
     """
     b = len(lengths)
@@ -105,5 +126,6 @@ def plan_update(lengths: np.ndarray, *, minibatches: int, epochs: int, grad_accu
     for e in range(epochs):
         order = rows if shuffle is None else rows[np.argsort(shuffle[rows, e], kind="stable")]
         for part in np.array_split(order, minibatches):
-            out.append(plan_minibatch(part, lengths, b, max_rows=max_rows, unit=unit, cap=cap))
+            out.append(plan_minibatch(part, lengths, b, max_rows=max_rows, unit=unit, cap=cap,
+                                      first_needed=first_needed))
     return out
