@@ -80,28 +80,43 @@ def _max_rel_diff(a, b) -> float:
                                jax.tree.leaves(jax.device_get(b)), strict=True))
 
 
-def run(args: argparse.Namespace) -> dict:
+def update_setup(args: argparse.Namespace) -> tuple:
+    """What an update benchmark starts from: the warm-started policy and its critic on a
+    one-device mesh, with the trainer's optimizers. Returns ``(cfg, mesh, models, txs,
+    batches)``: ``models = (policy graphdef, policy params, value graphdef, value params)``,
+    ``txs = (policy optimizer, value optimizer)``, ``batches(window, skip)`` the graded
+    rollout windows to time (``graded_batches``)."""
     import jax
     from flax import nnx
-    from tppo_jax.benchmarks.prefill_width import warm_started, write_result
+    from tppo_jax.benchmarks.prefill_width import warm_started
 
     from tppo_jax.models.value import ValueModel
     from tppo_jax.parallel.mesh import make_mesh
     from tppo_jax.train.step import make_optimizer
 
     cfg, tok, model, examples, encode = warm_started(args)
-    r, L = cfg.rollout, cfg.rollout.max_response_len
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
     pdef, p0 = nnx.split(model)
     vdef, v0 = nnx.split(ValueModel.from_policy(model))
     models = (pdef, nnx.to_pure_dict(p0), vdef, nnx.to_pure_dict(v0))
     txs = (make_optimizer(cfg.optim.policy_lr, cfg.optim),
            make_optimizer(cfg.optim.value_lr, cfg.optim))
+
+    def batches(window: int, skip: int) -> list:
+        return graded_batches(cfg, tok, model, examples, encode, window, args.steps, skip)
+
+    return cfg, mesh, models, txs, batches
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tppo_jax.benchmarks.prefill_width import write_result
+
+    cfg, mesh, models, txs, make_batches = update_setup(args)
+    r, L = cfg.rollout, cfg.rollout.max_response_len
     out: dict = {"config": args.config, "slots": r.slots, "L": L, "steps": args.steps,
                  "cpu": args.cpu_note, "methods": {}}
     for name, window in (("tppo", r.window), ("ppo", L)):
-        batches = graded_batches(cfg, tok, model, examples, encode, window, args.steps,
-                           args.skip if name == "tppo" else 1)
+        batches = make_batches(window, args.skip if name == "tppo" else 1)
         res, diff, timed = _time_method(cfg, models, txs, mesh, min(window, L), batches)
         out["methods"][name] = summary = _summary(res, diff, timed)
         print(f"{name}: update {summary['update_s_median']['fullwidth']:.2f} s/step (batch "
@@ -179,9 +194,10 @@ def _summary(res: dict, diff: float, timed_compiles: int) -> dict:
             "max_rel_weight_diff": diff, "compiles_while_timed": timed_compiles}
 
 
-def add_args(p: argparse.ArgumentParser) -> None:
+def add_args(p: argparse.ArgumentParser, steps_help: str = "timed steps per method and mode"
+             ) -> None:
     p.add_argument("--config", default="longtail")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per method and mode")
+    p.add_argument("--steps", type=int, default=8, help=steps_help)
     p.add_argument("--skip", type=int, default=16,
                    help="T-PPO rollout windows run (no update) before the timed ones")
     p.add_argument("--out", default="results",

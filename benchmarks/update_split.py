@@ -142,32 +142,21 @@ def _summary(res: dict, cells: dict, timed_compiles: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    import jax
-    from flax import nnx
-    from tppo_jax.benchmarks.prefill_width import warm_started, write_result
-    from tppo_jax.benchmarks.update_groups import graded_batches
+    from tppo_jax.benchmarks.prefill_width import write_result
+    from tppo_jax.benchmarks.update_groups import update_setup
 
-    from tppo_jax.models.value import ValueModel
-    from tppo_jax.parallel.mesh import make_mesh
     from tppo_jax.train.state import commit_to_mesh
-    from tppo_jax.train.step import make_optimizer
 
-    cfg, tok, model, examples, encode = warm_started(args)
+    cfg, mesh, models, txs, make_batches = update_setup(args)
     r, L = cfg.rollout, cfg.rollout.max_response_len
-    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
-    pdef, p0 = nnx.split(model)
-    vdef, v0 = nnx.split(ValueModel.from_policy(model))
-    models = (pdef, nnx.to_pure_dict(p0), vdef, nnx.to_pure_dict(v0))
-    txs = tuple((tx, commit_to_mesh(tx.init(params), mesh)) for tx, params in (
-        (make_optimizer(cfg.optim.policy_lr, cfg.optim), models[1]),
-        (make_optimizer(cfg.optim.value_lr, cfg.optim), models[3])))
+    txs = tuple((tx, commit_to_mesh(tx.init(params), mesh))
+                for tx, params in zip(txs, (models[1], models[3]), strict=True))
     ref = models[1] if cfg.algo.kl_coef > 0 else None  # the KL's reference: the start
     out: dict = {"config": args.config, "overrides": list(args.overrides),
                  "slots": r.slots, "L": L, "window": r.window, "steps": args.steps,
                  "cpu": args.cpu_note, "methods": {}}
     for name, window in (("tppo", r.window), ("ppo", L)):
-        batches = graded_batches(cfg, tok, model, examples, encode, window, args.steps,
-                           args.skip if name == "tppo" else 1)
+        batches = make_batches(window, args.skip if name == "tppo" else 1)
         out["methods"][name] = s = _time_method(cfg, models, txs, mesh, min(window, L),
                                                 batches, ref)
         m, c = s["seconds_median"], s["cells"]
@@ -181,15 +170,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="longtail")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per method")
-    p.add_argument("--skip", type=int, default=16,
-                   help="T-PPO rollout windows run (no update) before the timed ones")
-    p.add_argument("--out", default="results",
-                   help="results dir; the warm-start cache is read from (or built in) its runs/")
-    p.add_argument("--cpu-note", default="", help="the machine, recorded in the JSON")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("overrides", nargs="*", metavar="key=value")
+    from tppo_jax.benchmarks.update_groups import add_args as update_args
+
+    update_args(p, steps_help="timed steps per method")
 
 
 if __name__ == "__main__":
