@@ -12,9 +12,9 @@ windows, so its slots hold continuations of every age as in training; PPO with l
 piece is timed on its own from the same weights, blocked, after an untimed run that compiles
 what the batch meets (``compiles_while_timed`` must be 0). Per method: the median and total
 seconds of each piece; the policy's forward cells (rows x columns, padding included) and
-the cells its backward covers; and how the detached step compares with the full one (the
-cosine of the two parameter moves; their reported losses must agree, since the forward's
-values are the same). Writes ``results/update_split.json``.
+the cells its backward covers, full and detached; and how the detached step compares with
+the full one (the cosine of the two parameter moves; their reported losses must agree,
+since the forward's values are the same). Writes ``results/update_split.json``.
 
     tppo bench update-split --config longtail --steps 8
 """
@@ -82,7 +82,7 @@ def _fns(cfg, models, txs, mesh, window: int) -> dict:
 def _time_method(cfg, models, txs, mesh, window: int, batches, ref) -> dict:
     """Every batch's pieces timed from the same weights; per-piece seconds, cells and the
     detached step's agreement with the full one."""
-    from tppo_jax.train.batch import batch_arrays, shuffle_keys
+    from tppo_jax.train.batch import batch_arrays, row_plan, shuffle_keys
     from tppo_jax.train.shapes import CompileWatch
     from tppo_jax.train.update import plan_cells
 
@@ -90,30 +90,32 @@ def _time_method(cfg, models, txs, mesh, window: int, batches, ref) -> dict:
     (_, opt_p), (_, opt_v) = txs
     fns = _fns(cfg, models, txs, mesh, window)
     res = {k: [] for k in (*PIECES, "cos", "loss_rel_diff")}
-    cells = {"policy_forward": 0, "policy_backward_full": 0, "policy_backward_detached": 0,
-             "value": 0}
+    cells = {f"policy_{pas}_{mode}": 0 for pas in ("forward", "backward")
+             for mode in ("full", "detached")}
+    cells["value"] = 0
     timed_compiles = 0
     extra = {"ref": ref} if fns["policy"].uses_ref else {}
     with CompileWatch() as watch:
         for i, (rb, reward, correct) in enumerate(batches):
             arrays = batch_arrays(rb, reward, correct, mesh)
             width = int(arrays["tokens"].shape[1])
-            shuffle = shuffle_keys(cfg, i, rb.tokens.shape[0])
-            lengths, fin = rb.total_len, np.flatnonzero(rb.finished)
+            positive = rb.finished & correct if cfg.algo.nll_coef > 0 else None
+            rp = row_plan(rb, shuffle_keys(cfg, i, rb.tokens.shape[0]), positive)
+            lengths, fin, shuffle = rp.lengths, rp.finished, rp.shuffle
             tgt, dt, n = _timed(watch, fns["targets"], v0, arrays, lengths=lengths)
             batch, timed_compiles = {**arrays, **tgt}, timed_compiles + n
             res["targets"].append(dt)
             ends = {}
             for name in ("policy", "policy_detached"):
                 upd = fns[name]
-                plan = upd.plan(lengths, width, shuffle, window_start=rb.window_start)
+                plan = upd.plan(lengths, width, shuffle, train_start=rp.train_start)
                 ends[name], dt, n = _timed(watch, upd, p0, opt_p, batch, plan=plan, **extra)
                 res[name].append(dt)
                 timed_compiles += n
-                back = sum(g.rows.size * (g.width - g.grad_from) for mb in plan
-                           for g in mb.groups)
-                cells["policy_backward_" + ("full" if name == "policy" else "detached")] += back
-                cells["policy_forward"] += plan_cells(plan) if name == "policy" else 0
+                mode = "full" if name == "policy" else "detached"
+                cells[f"policy_backward_{mode}"] += sum(
+                    g.rows.size * (g.width - g.grad_from) for mb in plan for g in mb.groups)
+                cells[f"policy_forward_{mode}"] += plan_cells(plan)
             a, b = _move(ends["policy"][0], p0), _move(ends["policy_detached"][0], p0)
             res["cos"].append(float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30)))
             la, lb = (float(ends[k][2]["policy_loss"]) for k in ("policy", "policy_detached"))

@@ -202,7 +202,7 @@ def test_detach_prefix_update_keeps_the_loss_and_moves_the_params_nearly_alike()
         cfg = StepConfig(algo=AlgoConfig(detach_prefix=detach), optim=optim, window=32,
                          temperature=1.0)
         upd = make_updater("policy", gd, tx=tx, cfg=cfg)
-        plan = upd.plan(lengths, 160, window_start=starts)
+        plan = upd.plan(lengths, 160, train_start=starts)
         assert any(g.grad_from for mb in plan for g in mb.groups) == detach
         params = jax.tree.map(jnp.array, nnx.to_pure_dict(st))
         new, _, stats = upd(params, tx.init(params), batch, plan=plan)
@@ -216,3 +216,17 @@ def test_detach_prefix_update_keeps_the_loss_and_moves_the_params_nearly_alike()
         jax.tree.leaves(out[True][0]), base, strict=True)])
     cos = d_full @ d_det / (np.linalg.norm(d_full) * np.linalg.norm(d_det))
     assert 0.5 < cos < 1 - 1e-6
+
+
+def test_detach_prefix_groups_rows_by_prefix_and_cuts_the_width_after_it():
+    """A row whose whole response trains (start 30) never shares a group with rows whose
+    windows start late, and a detached group is its prefix plus a bucket, not a power of
+    two of the whole row."""
+    lengths = np.array([300, 290, 280, 310])
+    starts = np.array([250, 240, 230, 30])  # the last: a positive example, trained whole
+    plan = plan_update(lengths, minibatches=1, epochs=1, grad_accum=1, unit=1, cap=576,
+                       first_needed=starts - 1)
+    by_row = {int(r): g for g in plan[0].groups for r in g.rows[g.valid]}
+    assert by_row[3].grad_from == 0 and by_row[3].width == 512
+    assert {by_row[r].grad_from for r in (0, 1, 2)} == {192}
+    assert by_row[0].width == 192 + 128  # 300 - 192 = 108 -> the 128 bucket

@@ -54,21 +54,26 @@ class RowPlan:
     """What the updates' plans need, as host arrays over every host's rows (global row order,
     so every host plans the same steps): ``lengths [B]`` columns each row uses, ``shuffle
     [B, epochs]`` each epoch's row order, ``finished`` the rows the critic trains on,
-    ``window_start [B]`` each row's first current-window column."""
+    ``train_start [B]`` the first column each row's policy loss trains: its current
+    window's, or its response's on a row the positive-example NLL imitates."""
 
     lengths: np.ndarray
     shuffle: np.ndarray
     finished: np.ndarray
-    window_start: np.ndarray
+    train_start: np.ndarray
 
 
-def row_plan(rb: RolloutBatch, shuffle: np.ndarray) -> RowPlan:
-    """This rollout's ``RowPlan`` (``shuffle``: this host's ``shuffle_keys``)."""
+def row_plan(rb: RolloutBatch, shuffle: np.ndarray, positive: np.ndarray | None = None
+             ) -> RowPlan:
+    """This rollout's ``RowPlan`` (``shuffle``: this host's ``shuffle_keys``; ``positive
+    [B]``: this host's rows whose whole response the policy loss trains, None: none)."""
+    start = rb.window_start if positive is None else np.where(positive, rb.prompt_len,
+                                                               rb.window_start)
     if jax.process_count() == 1:
-        lengths, fin, start = rb.total_len, rb.finished, rb.window_start
+        lengths, fin = rb.total_len, rb.finished
     else:
         lengths, fin = mh.gather_rows(rb.total_len), mh.gather_rows(rb.finished)
-        shuffle, start = mh.gather_rows(shuffle), mh.gather_rows(rb.window_start)
+        shuffle, start = mh.gather_rows(shuffle), mh.gather_rows(start)
     return RowPlan(np.asarray(lengths), np.asarray(shuffle), np.flatnonzero(fin),
                    np.asarray(start))
 
@@ -89,7 +94,9 @@ def update_batch(run: Run, value: Any, roll: Rollout, step: int
     arrays = batch_arrays(rb, roll.reward, roll.correct, run.mesh, roll.token_rewards,
                           groups=run.cfg.algo.advantage_baseline == "group",
                           blame_start=roll.blame_start)
-    plan = row_plan(rb, shuffle_keys(run.cfg, step, rb.tokens.shape[0]))
+    # the positive-example NLL trains a finished right row's whole response
+    positive = rb.finished & roll.correct if run.cfg.algo.nll_coef > 0 else None
+    plan = row_plan(rb, shuffle_keys(run.cfg, step, rb.tokens.shape[0]), positive)
     return {**arrays, **run.steps.targets(value, arrays, lengths=plan.lengths)}, plan
 
 

@@ -185,7 +185,7 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
     policy, opt_p, pstats, cells = state.policy, state.policy_opt, {}, 0
     if step >= cfg.algo.critic_warmup_steps:
         p_plan = fns.policy.plan(plan.lengths, width, plan.shuffle,
-                                 window_start=plan.window_start)
+                                 train_start=plan.train_start)
         policy, opt_p, pstats = fns.policy(policy, opt_p, train_batch, plan=p_plan,
                                            ref=run.ref_policy)
         cells = plan_cells(p_plan)

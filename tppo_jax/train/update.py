@@ -187,17 +187,17 @@ class Updater:
     trainable: tuple[str, ...] | None = None  # None: every param trains; else LoRA
 
     def plan(self, lengths: np.ndarray, width: int, shuffle: np.ndarray | None = None,
-             rows: np.ndarray | None = None, window_start: np.ndarray | None = None
+             rows: np.ndarray | None = None, train_start: np.ndarray | None = None
              ) -> list[Minibatch]:
         """``update_plan.plan_update`` for this update's optimizer settings and mesh. With
-        ``algo.detach_prefix``, the policy's groups run the columns before their rows'
-        windows (``window_start [B]``) forward only."""
+        ``algo.detach_prefix``, the policy's groups run the columns before the first token
+        their rows train (``train_start [B]``, ``RowPlan``'s) forward only."""
         o = self.cfg.optim
         epochs = o.epochs if self.kind == "policy" else o.critic_epochs
         first = None
-        if self.kind == "policy" and self.cfg.algo.detach_prefix and window_start is not None:
-            # a window's first token is predicted from the column before it
-            first = np.maximum(np.asarray(window_start) - 1, 0)
+        if self.kind == "policy" and self.cfg.algo.detach_prefix and train_start is not None:
+            # a token is predicted from the column before it
+            first = np.maximum(np.asarray(train_start) - 1, 0)
         return plan_update(lengths, minibatches=o.minibatches, epochs=epochs,
                            grad_accum=o.grad_accum, unit=self.unit, cap=width,
                            shuffle=shuffle, rows=rows, first_needed=first)

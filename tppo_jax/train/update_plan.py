@@ -62,6 +62,26 @@ def forward_only_columns(first_needed: np.ndarray, width: int) -> int:
     return max(0, min(p, (width - 1) // PREFIX_STEP * PREFIX_STEP))
 
 
+def detached_width(longest: int, prefix: int, cap: int) -> int:
+    """A group's width when its first ``prefix`` columns run forward only: the prefix plus
+    the width bucket of the columns after it (``longest``: its longest row). The backward
+    pass covers the bucketed part only, so rounding it, not the whole row, to a power of
+    two keeps the padding it pays for small; shapes stay few ((prefix, bucket) pairs)."""
+    return prefix + bucket_width(longest - prefix, cap - prefix)
+
+
+def _row_order(rows: np.ndarray, lengths: np.ndarray, first_needed: np.ndarray | None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, run)``: the rows longest first, and each one's run id (consecutive rows of
+    one run may share a group). With ``first_needed``, rows of one forward-only prefix
+    (its ``PREFIX_STEP`` multiple) form a run, the longest prefixes first."""
+    if first_needed is None:
+        return rows[np.argsort(-lengths[rows], kind="stable")], np.zeros(len(rows), np.int64)
+    prefix = first_needed[rows] // PREFIX_STEP
+    idx = np.lexsort((-lengths[rows], -prefix))
+    return rows[idx], prefix[idx]
+
+
 def max_group_rows(batch: int, minibatches: int, grad_accum: int) -> int:
     """The most rows a group holds: one minibatch's rows over ``grad_accum`` (the activation
     memory of one group at a time), always from the whole batch's size ``batch``."""
@@ -81,19 +101,23 @@ def plan_minibatch(rows: np.ndarray, lengths: np.ndarray, batch: int, *, max_row
     """The row groups of one minibatch: its rows longest first, each group the next
     ``group_rows(w)`` of them at the width bucket ``w`` of the longest (so a group's shorter
     rows fill room its width pays for anyway); the last group is padded. ``first_needed
-    [B]``: the first column each row needs a gradient at (None: column 0); a group's
-    ``grad_from`` is ``forward_only_columns`` of its rows'."""
+    [B]``: the first column each row needs a gradient at (None: column 0); rows are then
+    grouped by their forward-only prefix (``forward_only_columns``) and a group is as wide
+    as ``detached_width``."""
     weight = np.zeros(batch, np.float32)
     weight[rows] = 1.0
-    order = rows[np.argsort(-lengths[rows], kind="stable")]
+    order, run = _row_order(rows, lengths, first_needed)
     groups, i = [], 0
     while i < len(order):
         w = bucket_width(int(lengths[order[i]]), cap)
         r = group_rows(w, max_rows, unit)
-        chunk = order[i:i + r]
-        i += len(chunk)
+        end = min(i + r, i + int(np.argmax(np.append(run[i:] != run[i], True))))
+        chunk = order[i:end]
+        i = end
         pad = np.full(r - len(chunk), chunk[0], np.int64)
         p = 0 if first_needed is None else forward_only_columns(first_needed[chunk], w)
+        if p:
+            w = detached_width(int(lengths[chunk[0]]), p, cap)
         groups.append(RowGroup(np.concatenate([chunk, pad]).astype(np.int32),
                                np.arange(r) < len(chunk), w, p))
     return Minibatch(weight, tuple(groups))
