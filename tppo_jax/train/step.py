@@ -196,7 +196,7 @@ def policy_group_loss(graphdef: Any, params: Any, mb: dict[str, jax.Array],
 
     ``mb``: ``[R, W]`` ``tokens, attn, sample_logprobs, advantages, policy_mask,
     positive_mask``. ``grad_from`` (static): columns before it run forward only
-    (``algo.detach_prefix``; ``update_plan`` puts it before every row's trained window).
+    (``algo.detach_prefix``; ``update_plan`` puts it before every token its rows train).
     """
     a = cfg.algo
     model = nnx.merge(graphdef, params)
