@@ -146,8 +146,7 @@ def _time_method(cfg, models, txs, mesh, window: int, batches) -> tuple[dict, fl
     pdef, p0, vdef, v0 = models
     tx_p, tx_v = txs
     copy = lambda t: jax.tree.map(jnp.copy, t)  # noqa: E731  (the updates donate their inputs)
-    scfg = StepConfig(algo=cfg.algo, optim=cfg.optim, window=window,
-                      temperature=r.temperature if r.temperature > 0 else 1.0)
+    scfg = StepConfig.from_config(cfg, window)
     opt_p, opt_v = commit_to_mesh(tx_p.init(p0), mesh), commit_to_mesh(tx_v.init(v0), mesh)
     fns = (make_targets(vdef, scfg, mesh=mesh, params=v0),
            make_updater("policy", pdef, tx=tx_p, cfg=scfg, mesh=mesh, params=p0,

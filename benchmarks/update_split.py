@@ -68,9 +68,9 @@ def _fns(cfg, models, txs, mesh, window: int) -> dict:
 
     pdef, p0, vdef, v0 = models
     (tx_p, opt_p), (tx_v, opt_v) = txs
-    temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-    scfg = {d: StepConfig(algo=dataclasses.replace(cfg.algo, detach_prefix=d), optim=cfg.optim,
-                          window=window, temperature=temp) for d in (False, True)}
+    base = StepConfig.from_config(cfg, window)
+    scfg = {d: dataclasses.replace(base, algo=dataclasses.replace(cfg.algo, detach_prefix=d))
+            for d in (False, True)}
     pol = {d: make_updater("policy", pdef, tx=tx_p, cfg=scfg[d], mesh=mesh, params=p0,
                            opt_state=opt_p) for d in (False, True)}
     return {"targets": make_targets(vdef, scfg[False], mesh=mesh, params=v0),

@@ -213,11 +213,9 @@ def make_scheduler(run: Run, state: TrainState, *, window: int | None = None,
 def build_steps(run: Run, state: TrainState, tx_p: Any, tx_v: Any) -> Steps:
     """The jitted steps, with the params' and optimizer states' shardings declared in and out
     (``state``'s placement), and the compile watch over them."""
-    r, m, mesh = run.cfg.rollout, run.models, run.mesh
+    m, mesh = run.models, run.mesh
     keep_p, keep_v = trainable_keys(run.cfg)
-    scfg = StepConfig(algo=run.cfg.algo, optim=run.cfg.optim,
-                      window=min(r.window, r.max_response_len),
-                      temperature=r.temperature if r.temperature > 0 else 1.0)
+    scfg = StepConfig.from_config(run.cfg)
     targets_fn = make_targets(m.value_def, scfg, mesh=mesh, params=state.value)
     policy_fn = make_updater("policy", m.policy_def, tx=tx_p, cfg=scfg, mesh=mesh,
                              params=state.policy, opt_state=state.policy_opt,

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tppo_jax import algo
-from tppo_jax.config import AlgoConfig, OptimConfig
+from tppo_jax.config import AlgoConfig, Config, OptimConfig
 from tppo_jax.kernels.logprobs import token_kl, token_logprobs
 from tppo_jax.parallel.mesh import logical_to_spec
 
@@ -33,6 +33,16 @@ class StepConfig:
     optim: OptimConfig
     window: int
     temperature: float
+
+    @classmethod
+    def from_config(cls, cfg: Config, window: int | None = None) -> StepConfig:
+        """A run's step knobs: its algo and optim sections, the window (``rollout.window``
+        unless given, at most L) and the sampling temperature the log-probs are taken at
+        (greedy decoding, temperature 0, scores at 1)."""
+        r = cfg.rollout
+        return cls(algo=cfg.algo, optim=cfg.optim,
+                   window=min(r.window if window is None else window, r.max_response_len),
+                   temperature=r.temperature if r.temperature > 0 else 1.0)
 
 
 def updates_per_step(optim: OptimConfig, epochs: int | None = None) -> int:

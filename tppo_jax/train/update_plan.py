@@ -54,14 +54,6 @@ GROUP_COLUMNS = 64
 PREFIX_STEP = 64
 
 
-def forward_only_columns(first_needed: np.ndarray, width: int) -> int:
-    """Leading columns a group of rows may run forward only: the earliest column any of its
-    rows needs a gradient at (``first_needed``, host ints), rounded down to ``PREFIX_STEP``
-    and below ``width``."""
-    p = int(first_needed.min()) // PREFIX_STEP * PREFIX_STEP
-    return max(0, min(p, (width - 1) // PREFIX_STEP * PREFIX_STEP))
-
-
 def detached_width(longest: int, prefix: int, cap: int) -> int:
     """A group's width when its first ``prefix`` columns run forward only: the prefix plus
     the width bucket of the columns after it (``longest``: its longest row). The backward
@@ -73,8 +65,10 @@ def detached_width(longest: int, prefix: int, cap: int) -> int:
 def _row_order(rows: np.ndarray, lengths: np.ndarray, first_needed: np.ndarray | None
                ) -> tuple[np.ndarray, np.ndarray]:
     """``(order, run)``: the rows longest first, and each one's run id (consecutive rows of
-    one run may share a group). With ``first_needed``, rows of one forward-only prefix
-    (its ``PREFIX_STEP`` multiple) form a run, the longest prefixes first."""
+    one run may share a group). With ``first_needed``, rows of one forward-only prefix form
+    a run, the longest prefixes first; a run's id is its prefix in ``PREFIX_STEP``s (the
+    first column a row needs a gradient at, rounded down: below the row's length, so always
+    below its group's width). Without, every row is in run 0 (no prefix)."""
     if first_needed is None:
         return rows[np.argsort(-lengths[rows], kind="stable")], np.zeros(len(rows), np.int64)
     prefix = first_needed[rows] // PREFIX_STEP
@@ -102,8 +96,8 @@ def plan_minibatch(rows: np.ndarray, lengths: np.ndarray, batch: int, *, max_row
     ``group_rows(w)`` of them at the width bucket ``w`` of the longest (so a group's shorter
     rows fill room its width pays for anyway); the last group is padded. ``first_needed
     [B]``: the first column each row needs a gradient at (None: column 0); rows are then
-    grouped by their forward-only prefix (``forward_only_columns``) and a group is as wide
-    as ``detached_width``."""
+    grouped by their forward-only prefix (``_row_order``) and a group is as wide as
+    ``detached_width``."""
     weight = np.zeros(batch, np.float32)
     weight[rows] = 1.0
     order, run = _row_order(rows, lengths, first_needed)
@@ -111,11 +105,11 @@ def plan_minibatch(rows: np.ndarray, lengths: np.ndarray, batch: int, *, max_row
     while i < len(order):
         w = bucket_width(int(lengths[order[i]]), cap)
         r = group_rows(w, max_rows, unit)
+        p = int(run[i]) * PREFIX_STEP  # the forward-only prefix of this run of rows
         end = min(i + r, i + int(np.argmax(np.append(run[i:] != run[i], True))))
         chunk = order[i:end]
         i = end
         pad = np.full(r - len(chunk), chunk[0], np.int64)
-        p = 0 if first_needed is None else forward_only_columns(first_needed[chunk], w)
         if p:
             w = detached_width(int(lengths[chunk[0]]), p, cap)
         groups.append(RowGroup(np.concatenate([chunk, pad]).astype(np.int32),
