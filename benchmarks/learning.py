@@ -29,12 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 from pathlib import Path
+
+from tppo_jax.benchmarks.side_by_side import Job, run_jobs, train_command
 
 METRICS = (("avg", "sampled avg@k"), ("pass", "pass@k"), ("greedy", "greedy"),
            ("steps_valid", "steps valid"))
@@ -80,6 +79,9 @@ def summarize_run(run_dir: Path, k: int, n_questions: int) -> dict:
     trials = {"avg": n_questions * k, "pass": n_questions, "greedy": n_questions,
               "steps_valid": n_questions * k}
     out: dict = {"before": b, "after": a, "delta": {m: a[m] - b[m] for m in b}, "se": {}}
+    if summary.get("eval_after_live"):  # optim.policy_ema: "after" is the average's
+        live = four_numbers(summary["eval_after_live"], k)
+        out["after_live"], out["delta_live"] = live, {m: live[m] - b[m] for m in b}
     for m in ("avg", "pass", "greedy"):
         out["se"][m] = math.hypot(binomial_se(b[m], trials[m]), binomial_se(a[m], trials[m]))
     if "greedy_correct_mask" in before and "greedy_correct_mask" in after:
@@ -154,33 +156,17 @@ def _train_all(args: argparse.Namespace, jobs: list[tuple[str, list[str]]], runs
     runs.mkdir(parents=True, exist_ok=True)
     if cfg.model.source == "tiny":  # trained once here, not by every parallel run
         cached(cfg, runs, progress=not args.no_progress)
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    pending, live = list(jobs), []
-    while pending or live:
-        while pending and len(live) < args.jobs:
-            name, extra = pending.pop(0)
-            run_dir = runs / f"{_prefix(args)}-{name}"
-            if args.reuse and finished(run_dir):
-                print(f"[learning] {name}: reusing the finished run in {run_dir}", flush=True)
-                continue
-            if run_dir.exists():
-                shutil.rmtree(run_dir)
-            cmd = [sys.executable, "-m", "tppo_jax.cli", "train", "--config", args.config,
-                   "--run-dir", str(run_dir), "--no-progress", *extra, *args.overrides]
-            used = {c for _, _, c in live}
-            core = next((c for c in cores if c not in used), None)
-            if args.jobs > 1 and core is not None and shutil.which("taskset"):
-                cmd = ["taskset", "-c", str(core), *cmd]
-            log = (runs / f"{_prefix(args)}-{name}.log").open("w")
-            print(f"[learning] {name}: {' '.join(cmd)}", flush=True)
-            live.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), name,
-                         core))
-        if not live:  # every pending run was reused
+    todo = []
+    for name, extra in jobs:
+        run_dir = runs / f"{_prefix(args)}-{name}"
+        if args.reuse and finished(run_dir):
+            print(f"[learning] {name}: reusing the finished run in {run_dir}", flush=True)
             continue
-        proc, name, core = live.pop(0)
-        if proc.wait():
-            raise SystemExit(f"[learning] {name} failed (exit {proc.returncode}); see "
-                             f"{runs / (_prefix(args) + '-' + name + '.log')}")
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        todo.append(Job(name, train_command(args.config, run_dir, [*extra, *args.overrides]),
+                        runs / f"{_prefix(args)}-{name}.log"))
+    run_jobs(todo, args.jobs, label="learning")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -15,16 +15,20 @@ and the matching PNG (held-out accuracy vs training wall-clock).
     tppo bench tppo-vs-ppo --seeds 3 --target 60 --budget-s 600
     tppo bench tppo-vs-ppo --config longtail --seeds 3 --target 30 --budget-s 1800
 
-``--seed S --method M`` trains just that run (e.g. the two methods of a seed side by side, one
-core each); ``--summarize-only`` then builds the JSON and PNG from all the run dirs.
+``--jobs 2`` trains a seed's two runs side by side, each on a core of its own; ``--seed S
+--method M`` trains just that run; ``--summarize-only`` then builds the JSON and PNG from all
+the run dirs. ``--sweep 36,38,40`` adds the time to each of several targets.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 from pathlib import Path
+
+from tppo_jax.benchmarks.side_by_side import Job, run_jobs, train_command
 
 METHODS = {"tppo": [], "ppo": ["rollout.window={L}"]}
 PHASES = ("rollout", "grading", "update", "compile")
@@ -42,6 +46,7 @@ def summarize_run(run_dir: Path, target: float, slots: int | None = None) -> dic
     evals = [r for r in rows if "eval_accuracy" in r]
     hit = next((r for r in evals if r["eval_accuracy"] >= target), None)
     train_time = {r["step"]: r["train_time_s"] for r in steps}
+    last = evals[-1] if evals else {}
     fin = [r.get("finished", round(r["finished_frac"] * (slots or 0))) for r in steps]
     useful = sum(f * r["response_len_mean"] for f, r in zip(fin, steps, strict=True))
     split = {k: float(sum(r.get(f"time_{k}_s", 0.0) for r in steps)) for k in PHASES}
@@ -51,7 +56,10 @@ def summarize_run(run_dir: Path, target: float, slots: int | None = None) -> dic
         "budget_s": _run_budget(run_dir),
         "time_to_target_s": train_time.get(hit["step"]) if hit else None,
         "steps_to_target": hit["step"] if hit else None,
-        "final_eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
+        "final_eval_accuracy": last.get("eval_accuracy"),
+        # The last held-out eval in full: sampled avg@k and pass@k, and greedy.
+        "final_eval": {k.removeprefix("eval_"): v for k, v in last.items()
+                       if k.startswith("eval_") and isinstance(v, (int, float))},
         "steps": len(steps),
         "train_time_s": wall,
         "tokens_generated": int(sum(r["tokens"] for r in steps)),
@@ -70,6 +78,33 @@ def summarize_run(run_dir: Path, target: float, slots: int | None = None) -> dic
         "curve": _before(run_dir) + [(train_time.get(r["step"], 0.0), r["eval_accuracy"])
                                      for r in evals],
     }
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Training wall-clock of the first point of ``curve`` ((time, accuracy) pairs, in
+    order) at or above ``target``; None when none is."""
+    return next((t for t, acc in curve if acc >= target), None)
+
+
+def target_sweep(seeds: dict, targets: list[float]) -> dict:
+    """Per target: each method's median time to it over seeds and the median speedup (PPO /
+    T-PPO, over the seeds where both reached it), with the number of seeds that did. One
+    noisy eval can cross a single target early; the sweep shows whether the speedup holds
+    across targets."""
+    out = {}
+    for target in targets:
+        times = {m: [time_to(s[m]["curve"], target) for s in seeds.values()] for m in METHODS}
+        both = [p / t for t, p in zip(times["tppo"], times["ppo"], strict=True) if t and p]
+        out[f"{target:g}"] = {
+            **{f"time_to_target_s_{m}": _median([t for t in times[m] if t is not None])
+               for m in METHODS},
+            **{f"reached_{m}": sum(t is not None for t in times[m]) for m in METHODS},
+            "speedup": _median(both), "seeds_both_reached": len(both)}
+    return out
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
 
 
 def _run_budget(run_dir: Path) -> float | None:
@@ -116,11 +151,15 @@ def run(args: argparse.Namespace) -> dict:
               f"tppo bench tppo-vs-ppo --config {args.config} --seeds {args.seeds} "
               f"--target T --summarize-only")
         return results
+    trained = args.summarize_only  # else train here (--jobs > 1: all of them first)
+    if not trained and args.jobs > 1:
+        _train_side_by_side(args, L, runs)
+        trained = True
     for seed in range(args.seeds):
         per = {}
         for method in METHODS:
             run_dir = runs / f"{method}-seed{seed}"
-            if not args.summarize_only:  # else: re-read the run dirs of an earlier run
+            if not trained:
                 _train_run(args, L, seed, method, run_dir)
             per[method] = summarize_run(run_dir, args.target, base.rollout.slots)
         t, p = per["tppo"]["time_to_target_s"], per["ppo"]["time_to_target_s"]
@@ -136,6 +175,8 @@ def run(args: argparse.Namespace) -> dict:
         results["budget_s"] = budgets.pop() if len(budgets) == 1 else sorted(
             b for b in budgets if b is not None)
     results["median"] = _medians(results["seeds"])
+    if args.sweep:
+        results["target_sweep"] = target_sweep(results["seeds"], args.sweep)
     results["lengths"] = _length_report(runs, load_config(args.config))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(results, indent=2))
@@ -144,22 +185,47 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
+def _overrides(args: argparse.Namespace, L: int, seed: int, method: str) -> list[str]:
+    """The config overrides of one (method, seed) run."""
+    return [f"train.seed={seed}", f"train.eval_every={args.eval_every}",
+            f"train.eval_every_s={args.eval_every_s}",
+            f"train.target_accuracy={args.target}", f"train.time_budget_s={args.budget_s}",
+            f"train.steps={args.max_steps}", *[e.format(L=L) for e in METHODS[method]],
+            *args.overrides]
+
+
 def _train_run(args: argparse.Namespace, L: int, seed: int, method: str, run_dir: Path) -> None:
     """One (method, seed) run from scratch (its old run dir removed), to target or budget."""
-    import shutil
-
     from tppo_jax.config import load_config
     from tppo_jax.train.loop import train
 
-    overrides = [f"train.seed={seed}", f"train.eval_every={args.eval_every}",
-                 f"train.eval_every_s={args.eval_every_s}",
-                 f"train.target_accuracy={args.target}", f"train.time_budget_s={args.budget_s}",
-                 f"train.steps={args.max_steps}", *[e.format(L=L) for e in METHODS[method]],
-                 *args.overrides]
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, _overrides(args, L, seed, method))
     if run_dir.exists():
         shutil.rmtree(run_dir)
     train(cfg, run_dir, progress=not args.no_progress)
+
+
+def _train_side_by_side(args: argparse.Namespace, L: int, runs: Path) -> None:
+    """Every (seed, method) run, ``--jobs`` at a time on a core each: a seed's T-PPO and PPO
+    runs together, so both clocks ran on equal, unshared cores. The warm-start first, once."""
+    from tppo_jax.config import load_config
+    from tppo_jax.train.warmstart import cached
+
+    cfg = load_config(args.config, args.overrides)
+    runs.mkdir(parents=True, exist_ok=True)
+    if cfg.model.source == "tiny":
+        cached(cfg, runs, progress=not args.no_progress)
+    jobs = []
+    for seed in range(args.seeds):
+        for method in METHODS:
+            run_dir = runs / f"{method}-seed{seed}"
+            if run_dir.exists():
+                shutil.rmtree(run_dir)
+            jobs.append(Job(f"{method}-seed{seed}",
+                            train_command(args.config, run_dir,
+                                          _overrides(args, L, seed, method)),
+                            runs / f"{method}-seed{seed}.log"))
+    run_jobs(jobs, args.jobs, label="tppo-vs-ppo")
 
 
 def _speedup_bounds(tppo: dict, ppo: dict) -> list[float | None]:
@@ -189,8 +255,7 @@ def _median_bounds(bounds: list[list[float | None]]) -> list[float | None]:
 def _medians(seeds: dict) -> dict:
     """Medians over seeds of the headline numbers (seeds where a value is None left out)."""
     def med(xs):
-        xs = [x for x in xs if x is not None]
-        return statistics.median(xs) if xs else None
+        return _median([x for x in xs if x is not None])
 
     per = list(seeds.values())
     speedups = [s["speedup"] for s in per if s["speedup"]]
@@ -207,6 +272,8 @@ def _medians(seeds: dict) -> dict:
     for key in ("finished_per_s", "useful_tokens_per_s", "occupancy_mean", "train_time_s",
                 "final_eval_accuracy"):
         out[key] = {m: med(s[m][key] for s in per) for m in METHODS}
+    out["final_eval"] = {m: {k: med(s[m].get("final_eval", {}).get(k) for s in per)
+                             for k in per[0][m].get("final_eval", {})} for m in METHODS}
     out["time_split_s"] = {m: {k: med(s[m]["time_split_s"][k] for s in per) for k in PHASES}
                            for m in METHODS}
     return out
@@ -262,12 +329,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--target", type=float, default=60.0,
                    help="held-out accuracy target (avg@k sampled, %%)")
+    p.add_argument("--sweep", type=lambda v: [float(x) for x in v.split(",")], default=[],
+                   help="comma-separated targets: also report the time to each and the "
+                        "speedup (JSON 'target_sweep')")
     p.add_argument("--budget-s", type=float, default=600.0, help="per-run training budget")
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--eval-every-s", type=float, default=0.0,
                    help="also evaluate every this many seconds of training (one time grid for "
                         "both methods, whose steps differ in length)")
     p.add_argument("--max-steps", type=int, default=1000)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at a time, each on a core of its own (2: a seed's T-PPO and PPO "
+                        "side by side)")
     p.add_argument("--out", default="results")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--seed", type=int, default=None,

@@ -51,3 +51,32 @@ def test_speedup_bounds_when_a_run_stops_first():
     assert _speedup_bounds(run(None), run(None)) == [0.0, None]
     assert _median_bounds([[0.0, 0.5], [2.0, 2.0], [0.0, None]]) == [0.0, 2.0]
     assert _median_bounds([[0.0, None], [0.0, None], [1.0, 1.0]]) == [0.0, None]
+
+
+def test_target_sweep_and_final_eval(tmp_path):
+    """Times to several targets read off each run's curve, the speedup over the seeds where
+    both methods reached one, and the last eval's metrics in full."""
+    from tppo_jax.benchmarks.tppo_vs_ppo import target_sweep, time_to
+
+    curve = [(0.0, 30.0), (50.0, 34.0), (100.0, 37.0), (150.0, 36.0)]
+    assert time_to(curve, 34.0) == 50.0 and time_to(curve, 36.5) == 100.0
+    assert time_to(curve, 40.0) is None
+    run = lambda c: {"curve": c}  # noqa: E731
+    seeds = {"0": {"tppo": run(curve), "ppo": run([(0.0, 30.0), (100.0, 35.0), (200.0, 38.0)])},
+             "1": {"tppo": run([(0.0, 30.0), (60.0, 33.0)]), "ppo": run([(0.0, 30.0),
+                                                                         (120.0, 34.0)])}}
+    sw = target_sweep(seeds, [34.0, 37.0])
+    assert sw["34"]["speedup"] == 2.0 and sw["34"]["seeds_both_reached"] == 1
+    assert sw["34"]["reached_tppo"] == 1 and sw["34"]["reached_ppo"] == 2
+    assert sw["34"]["time_to_target_s_ppo"] == 110.0
+    assert sw["37"] == {"time_to_target_s_tppo": 100.0, "time_to_target_s_ppo": 200.0,
+                        "reached_tppo": 1, "reached_ppo": 1, "speedup": 2.0,
+                        "seeds_both_reached": 1}
+    _write(tmp_path / "b", [(4, 10.0, 1.0)])
+    with (tmp_path / "b" / "metrics.jsonl").open("a") as f:
+        f.write("\n" + json.dumps({"step": 1, "eval_accuracy": 41.0, "eval_pass@8": 80.0,
+                                   "eval_greedy_accuracy": 60.0, "eval_greedy_correct_mask": "x."}))
+    s = summarize_run(tmp_path / "b", target=35.0)
+    assert s["final_eval"] == {"accuracy": 41.0, "pass@8": 80.0, "greedy_accuracy": 60.0}
+    assert _medians({"0": {"tppo": s, "ppo": s, "speedup": None, "throughput_ratio": None}}
+                    )["final_eval"]["tppo"]["greedy_accuracy"] == 60.0
