@@ -154,6 +154,11 @@ class OptimConfig:
     # Passes of the critic's update over its rows per step (null = epochs): more critic
     # updates per policy update (Open-Reasoner-Zero runs 12) so the critic keeps up
     value_epochs: int | None = None
+    # Decay of an exponential moving average of the policy's params, stepped once per
+    # training step (0: off). On, the average is the run's result: its held-out evals,
+    # checkpoints' ``policy_ema`` item, eval / export / serve (train/ema.py); rollouts still
+    # sample from the live params
+    policy_ema: float = 0.0
 
     @property
     def critic_epochs(self) -> int:

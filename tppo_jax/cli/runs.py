@@ -109,6 +109,7 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True)
         CheckpointError,
         run_model_files,
     )
+    from tppo_jax.train.ema import policy_item
     from tppo_jax.train.setup import load_models
     from tppo_jax.train.warmstart import RUN_SUBDIR
 
@@ -135,7 +136,7 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True)
             pdef, template = models.policy_def, models.policy
             tok, tok_file = models.tokenizer, models.tokenizer_file
         # The newest (or the given) step whose policy files verify.
-        found = ckpt.latest_good_item("policy", template, step)
+        found = ckpt.latest_good_item(policy_item(cfg), template, step)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     finally:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from tppo_jax.eval.heldout import evaluate
 from tppo_jax.eval.protocol import run_protocol
+from tppo_jax.train.ema import evaluated
 from tppo_jax.train.policy_view import policy_module
 from tppo_jax.train.state import TrainState
 
@@ -15,9 +16,12 @@ if TYPE_CHECKING:
     from tppo_jax.train.setup import Run
 
 
-def heldout_eval(run: Run, state: TrainState) -> dict[str, float]:
+def heldout_eval(run: Run, state: TrainState, *, live: bool = False) -> dict[str, float]:
     """Held-out accuracy under the ``run`` protocol (``eval.protocol``): avg@k sampled as in
-    training (the headline) and greedy."""
+    training (the headline) and greedy, of the run's result policy (the average, with
+    ``optim.policy_ema``; ``live``: the params rollouts sample from)."""
+    if not live:
+        state = evaluated(state, run.cfg)
     p = run_protocol(run.cfg)
     kw = dict(max_prompt_len=run.cfg.rollout.max_prompt_len, max_response_len=p.max_tokens,
               mesh=run.mesh, engines=run.eval_engines)

@@ -39,6 +39,7 @@ from tppo_jax.config import Config, TrainConfig
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.train.batch import critic_update, init_value_bias, update_batch
 from tppo_jax.train.collect import Rollout, collect
+from tppo_jax.train.ema import step_ema
 from tppo_jax.train.evals import eval_before, heldout_eval
 from tppo_jax.train.policy_view import policy_module
 from tppo_jax.train.resume import checkpoint_meta, checkpoint_trees
@@ -141,7 +142,11 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress: b
                          state.step)
                 break
         after = heldout_eval(run, state) if not preempted else None
-    summary = {"eval_before": before, "eval_after": after, "steps": state.step,
+        # With a policy average, the live policy's numbers too: what the average changed.
+        live = (heldout_eval(run, state, live=True)
+                if after is not None and state.policy_ema is not None else None)
+    summary = {"eval_before": before, "eval_after": after,
+               **({"eval_after_live": live} if live is not None else {}), "steps": state.step,
                "preempted": preempted, "train_seconds": time.time() - t_start,
                "run_dir": run.rd.remote or str(run.run_dir)}
     if run.primary:
@@ -212,7 +217,8 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
         log.warning("step %d: %s compiled a new shape (batch width %d, critic rows %d); "
                     "shapes so far: %s", step + 1, ", ".join(late), width, nrows,
                     fns.watch.sizes())
-    state = TrainState(policy, value, opt_p, opt_v, step + 1)
+    state = step_ema(dataclasses.replace(state, policy=policy, value=value, policy_opt=opt_p,
+                                         value_opt=opt_v, step=step + 1), cfg)
     sched.set_policy(policy_module(run, state), step + 1)
     sched.release_finished(rb.finished)
     return state, Update(pstats, vstats, width, nrows, cells, v_cells, n_comp, c_upd, t_update,

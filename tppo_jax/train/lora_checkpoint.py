@@ -16,6 +16,7 @@ from flax import nnx
 from tppo_jax.config import Config
 from tppo_jax.models.lora import add_lora, join_params, lora_spec, merge_lora, split_trainable
 from tppo_jax.train.checkpoint import Checkpointer
+from tppo_jax.train.ema import policy_item
 from tppo_jax.train.setup import load_policy
 
 
@@ -31,7 +32,7 @@ def restore_lora_policy(cfg: Config, run_dir: Path, ckpt: Checkpointer, step: in
     tok, policy, tok_file = load_policy(cfg, run_dir, progress=False)
     graphdef, state = nnx.split(add_lora(policy, spec, seed=cfg.train.seed))
     adapters, frozen = split_trainable(nnx.to_pure_dict(state))
-    found = ckpt.latest_good_item("policy", adapters, step)
+    found = ckpt.latest_good_item(policy_item(cfg), adapters, step)
     if found is not None:
         step, adapters = found
     model = nnx.merge(graphdef, join_params(adapters, frozen))

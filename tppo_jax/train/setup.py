@@ -34,6 +34,7 @@ from tppo_jax.rewards.grader import MathGrader
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 from tppo_jax.train.checkpoint import Checkpointer, record_model
+from tppo_jax.train.ema import with_ema
 from tppo_jax.train.metrics import MetricsWriter
 from tppo_jax.train.policy_view import policy_module
 from tppo_jax.train.resume import restore
@@ -164,6 +165,7 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
                        commit_to_mesh(tx_p.init(trained_part(models.policy, keep_p)), mesh),
                        commit_to_mesh(tx_v.init(trained_part(models.value, keep_v)), mesh))
     models.policy = models.value = None  # the params live in TrainState: no second copy
+    state = with_ema(state, cfg)  # before a restore: the template of its checkpoint item
     # LoRA: the reference is the frozen base (adapters zeroed inside the loss): no copy
     copy_ref = cfg.algo.kl_coef > 0 and keep_p is None
     run.ref_policy = reference_copy(state.policy) if copy_ref else None

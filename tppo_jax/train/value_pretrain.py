@@ -19,6 +19,7 @@ loaded the cache, so a loaded run equals the one that computed it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -109,7 +110,7 @@ def _with_value(run: Run, state: TrainState, value: Any, curve: list[dict[str, A
     log.info("value pretraining (%s): %d steps, explained variance %.3f -> %.3f (mean of the "
              "last %d)", source, len(curve), curve[0]["explained_variance"],
              float(np.mean([r["explained_variance"] for r in last])), len(last))
-    return TrainState(state.policy, value, state.policy_opt, state.value_opt, state.step)
+    return dataclasses.replace(state, value=value)
 
 
 def _pretrain(run: Run, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
