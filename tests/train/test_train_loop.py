@@ -1,6 +1,8 @@
 """The loop's small parts: TrainState as a pytree whose trees carry the checkpoint's item
 names, and the fault-injection hook the CLI builds from TPPO_FAULT_NAN_FROM_STEP."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +18,12 @@ def test_train_state_is_a_pytree_with_static_step():
     assert len(jax.tree.leaves(s)) == 4
     doubled = jax.tree.map(lambda x: x * 2, s)
     assert doubled.step == 7 and float(doubled.policy["w"][0]) == 2.0
-    # Its trees plus the scheduler's (slots, kv_cache) are exactly a run's checkpoint items.
-    assert (*s.items(), "slots", "kv_cache") == ITEMS
+    # Its trees plus the scheduler's (slots, kv_cache) are exactly a run's checkpoint items;
+    # the policy's average (optim.policy_ema) is one only when the state holds one.
+    assert (*s.items(), "slots", "kv_cache") == tuple(k for k in ITEMS if k != "policy_ema")
+    with_avg = dataclasses.replace(s, policy_ema={"w": jnp.ones(2)})
+    assert {*with_avg.items(), "slots", "kv_cache"} == set(ITEMS)
+    assert len(jax.tree.leaves(with_avg)) == 5
 
 
 def test_nan_hook_poisons_updates_from_the_given_step():
