@@ -80,3 +80,29 @@ def test_target_sweep_and_final_eval(tmp_path):
     assert s["final_eval"] == {"accuracy": 41.0, "pass@8": 80.0, "greedy_accuracy": 60.0}
     assert _medians({"0": {"tppo": s, "ppo": s, "speedup": None, "throughput_ratio": None}}
                     )["final_eval"]["tppo"]["greedy_accuracy"] == 60.0
+
+
+def test_jobs_train_each_seeds_two_runs_side_by_side(tmp_path, monkeypatch):
+    """--jobs 2: every (seed, method) run as a ``tppo train`` job, a seed's T-PPO and PPO
+    next to each other in the queue, PPO with l = L, each with the run's overrides."""
+    import argparse
+
+    from tppo_jax.benchmarks import tppo_vs_ppo
+
+    got = {}
+    monkeypatch.setattr(tppo_vs_ppo, "run_jobs",
+                        lambda jobs, n, label: got.update(jobs=jobs, n=n))
+    parser = argparse.ArgumentParser()
+    tppo_vs_ppo.add_args(parser)
+    args = parser.parse_args(["--config", "smoke", "--seeds", "2", "--jobs", "2",
+                              "--sweep", "30,40", "algo.kl_coef=0.5"])
+    assert args.sweep == [30.0, 40.0]
+    monkeypatch.setattr("tppo_jax.train.warmstart.cached", lambda *a, **k: None)
+    tppo_vs_ppo._train_side_by_side(args, 64, tmp_path)
+    assert got["n"] == 2
+    assert [j.name for j in got["jobs"]] == ["tppo-seed0", "ppo-seed0", "tppo-seed1",
+                                             "ppo-seed1"]
+    ppo1 = got["jobs"][3].args
+    assert ppo1[:5] == ["train", "--config", "smoke", "--run-dir", str(tmp_path / "ppo-seed1")]
+    assert {"train.seed=1", "rollout.window=64", "algo.kl_coef=0.5"} <= set(ppo1)
+    assert "rollout.window=64" not in got["jobs"][2].args
