@@ -33,7 +33,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from tppo_jax.benchmarks.side_by_side import Job, run_jobs, train_command
+from tppo_jax.benchmarks.side_by_side import Job, run_jobs, train_command, warmstart_once
 
 METRICS = (("avg", "sampled avg@k"), ("pass", "pass@k"), ("greedy", "greedy"),
            ("steps_valid", "steps valid"))
@@ -149,13 +149,7 @@ def finished(run_dir: Path) -> bool:
 
 def _train_all(args: argparse.Namespace, jobs: list[tuple[str, list[str]]], runs: Path) -> None:
     """Trains every job (``--jobs`` at a time, one core each); the warm-start first, once."""
-    from tppo_jax.config import load_config
-    from tppo_jax.train.warmstart import cached
-
-    cfg = load_config(args.config, args.overrides)
-    runs.mkdir(parents=True, exist_ok=True)
-    if cfg.model.source == "tiny":  # trained once here, not by every parallel run
-        cached(cfg, runs, progress=not args.no_progress)
+    warmstart_once(args.config, args.overrides, runs, progress=not args.no_progress)
     todo = []
     for name, extra in jobs:
         run_dir = runs / f"{_prefix(args)}-{name}"

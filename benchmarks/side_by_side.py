@@ -28,6 +28,18 @@ def train_command(config: str, run_dir: Path, overrides: list[str]) -> list[str]
             *overrides]
 
 
+def warmstart_once(config: str, overrides: list[str], runs: Path, *, progress: bool) -> None:
+    """Trains the tiny model's warm-start into ``runs`` (the cache its runs share) before any
+    job starts, so parallel runs do not each train it; other model sources need none."""
+    from tppo_jax.config import load_config
+    from tppo_jax.train.warmstart import cached
+
+    cfg = load_config(config, overrides)
+    runs.mkdir(parents=True, exist_ok=True)
+    if cfg.model.source == "tiny":
+        cached(cfg, runs, progress=progress)
+
+
 def run_jobs(jobs: list[Job], n: int, *, label: str) -> None:
     """Runs every job, ``n`` at a time (each on its own core when ``n > 1`` and ``taskset``
     exists), in order; a failed job stops the rest with a one-line error naming its log."""

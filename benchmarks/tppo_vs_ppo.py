@@ -28,7 +28,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from tppo_jax.benchmarks.side_by_side import Job, run_jobs, train_command
+from tppo_jax.benchmarks.side_by_side import Job, run_jobs, train_command, warmstart_once
 
 METHODS = {"tppo": [], "ppo": ["rollout.window={L}"]}
 PHASES = ("rollout", "grading", "update", "compile")
@@ -208,13 +208,7 @@ def _train_run(args: argparse.Namespace, L: int, seed: int, method: str, run_dir
 def _train_side_by_side(args: argparse.Namespace, L: int, runs: Path) -> None:
     """Every (seed, method) run, ``--jobs`` at a time on a core each: a seed's T-PPO and PPO
     runs together, so both clocks ran on equal, unshared cores. The warm-start first, once."""
-    from tppo_jax.config import load_config
-    from tppo_jax.train.warmstart import cached
-
-    cfg = load_config(args.config, args.overrides)
-    runs.mkdir(parents=True, exist_ok=True)
-    if cfg.model.source == "tiny":
-        cached(cfg, runs, progress=not args.no_progress)
+    warmstart_once(args.config, args.overrides, runs, progress=not args.no_progress)
     jobs = []
     for seed in range(args.seeds):
         for method in METHODS:
