@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -18,6 +19,13 @@ def test_shipped_configs_load(name):
 def test_ppo_config_is_one_window():
     assert load_config("ppo").rollout.num_windows == 1
     assert load_config("default").rollout.num_windows == 4
+
+
+def test_ppo_config_is_the_default_with_one_window():
+    # The speed baseline must share the default's recipe (warm-start, LR, KL, ...).
+    d = load_config("default")
+    assert load_config("ppo") == replace(d, rollout=replace(d.rollout,
+                                                            window=d.rollout.max_response_len))
 
 
 def test_overrides_typed():
