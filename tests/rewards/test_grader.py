@@ -160,6 +160,20 @@ def test_extract_answer_formats() -> None:
     assert grade_one(dapo, "34", accept_answer_line=True) == "ok"
 
 
+def test_the_answer_is_line_is_an_answer_line() -> None:
+    """GSM8K chain of thought's closing sentence counts as the answer line; the same words
+    inside a sentence, or a bare last number, do not (the grade stays strict)."""
+    fmt = {"answer_format": "answer_line"}
+    assert extract_answer("2 + 1 = 3.\nThe answer is: 3", **fmt) == "3"
+    assert extract_answer("The final answer is 12.\n\nThe answer", **fmt) == "12"
+    assert extract_answer("The answer is 6.\nThe answer is 7.", **fmt) == "7"  # the last one
+    assert extract_answer("So, the answer is 6.", **fmt) is None
+    assert extract_answer("2 + 1 = 3", **fmt) is None
+    assert extract_answer("The answer is 6", answer_format="boxed") is None
+    assert grade_one("Mia has 3.\nThe answer is 3.", "3",
+                     answer_format="boxed_or_answer_line") == "ok"
+
+
 def test_mixed_batch_with_hangs_keeps_other_results() -> None:
     with MathGrader(num_workers=2, item_timeout_s=1.0, mv_timeout_s=None) as g:
         comps = [rf"\boxed{{{i}}}" for i in range(40)]

@@ -40,13 +40,18 @@ REASONS = ("ok", "wrong", "no_answer", "timeout", "crash")
 
 
 # ------------------------------------------------------------------------ grading (any process)
-_ANSWER_LINE = re.compile(r"^[ \t]*Answer[ \t]*:[ \t]*(.+?)[ \t.]*$", re.I | re.M)
+# A line that states the answer: "Answer: X" (DAPO's format), or "The (final) answer is X"
+# (GSM8K chain-of-thought's, lm-eval-harness's strict match; small instruct models write it).
+_ANSWER_LINE = re.compile(
+    r"^[ \t]*(?:Answer[ \t]*:|The[ \t]+(?:final[ \t]+)?answer[ \t]+is[ \t]*:?)[ \t]*(.+?)[ \t.]*$",
+    re.I | re.M)
 # A number as people write them: sign, thousands commas, decimals ("-1,234.5").
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 # Which answer text is graded:
 #   boxed                 the last \boxed{...}
-#   answer_line           the last `Answer: X` line (the DAPO-Math-17K prompt's format)
+#   answer_line           the last `Answer: X` line (the DAPO-Math-17K prompt's format) or
+#                         `The answer is X` line (GSM8K chain of thought's)
 #   boxed_or_answer_line  boxed first, else the answer line
 #   last_number           boxed, else the answer line, else the last number in the text
 #                         (lenient, for GSM8K-style numeric answers)
