@@ -33,7 +33,13 @@ import shutil
 import statistics
 from pathlib import Path
 
-from tppo_jax.benchmarks.side_by_side import Job, run_jobs, train_command, warmstart_once
+from tppo_jax.benchmarks.side_by_side import (
+    Job,
+    method_overrides,
+    run_jobs,
+    train_command,
+    warmstart_once,
+)
 
 METRICS = (("avg", "sampled avg@k"), ("pass", "pass@k"), ("greedy", "greedy"),
            ("steps_valid", "steps valid"))
@@ -121,17 +127,15 @@ def meets(agg: dict, *, avg_gain: float, greedy_drop: float) -> dict[str, bool]:
 
 
 def _jobs(args: argparse.Namespace, L: int) -> list[tuple[str, list[str]]]:
-    """``(run name, overrides)`` of every run, in the order they train."""
-    methods = {"tppo": [], "ppo": [f"rollout.window={L}"]}
+    """``(run name, overrides)`` of every run, in the order they train: the run's seed and
+    arm, the user's overrides, then what makes it its method."""
     out = []
     for method in args.methods.split(","):
-        if method not in methods:
-            raise SystemExit(f"--methods: unknown method {method!r} (tppo, ppo)")
-        for seed in range(args.seeds):
-            out.append((f"{method}-rl-seed{seed}", methods[method] + [f"train.seed={seed}"]))
-        for seed in range(args.control_seeds):
-            out.append((f"{method}-control-seed{seed}",
-                        methods[method] + [f"train.seed={seed}", "reward.shuffle_control=true"]))
+        arms = [(f"rl-seed{s}", [f"train.seed={s}"]) for s in range(args.seeds)]
+        arms += [(f"control-seed{s}", [f"train.seed={s}", "reward.shuffle_control=true"])
+                 for s in range(args.control_seeds)]
+        out += [(f"{method}-{arm}", [*extra, *args.overrides, *method_overrides(method, L)])
+                for arm, extra in arms]
     return out
 
 
@@ -151,14 +155,14 @@ def _train_all(args: argparse.Namespace, jobs: list[tuple[str, list[str]]], runs
     """Trains every job (``--jobs`` at a time, one core each); the warm-start first, once."""
     warmstart_once(args.config, args.overrides, runs, progress=not args.no_progress)
     todo = []
-    for name, extra in jobs:
+    for name, overrides in jobs:
         run_dir = runs / f"{_prefix(args)}-{name}"
         if args.reuse and finished(run_dir):
             print(f"[learning] {name}: reusing the finished run in {run_dir}", flush=True)
             continue
         if run_dir.exists():
             shutil.rmtree(run_dir)
-        todo.append(Job(name, train_command(args.config, run_dir, [*extra, *args.overrides]),
+        todo.append(Job(name, train_command(args.config, run_dir, overrides),
                         runs / f"{_prefix(args)}-{name}.log"))
     run_jobs(todo, args.jobs, label="learning")
 

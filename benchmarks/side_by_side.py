@@ -22,6 +22,18 @@ class Job:
     log: Path  # stdout and stderr
 
 
+METHODS = ("tppo", "ppo")
+
+
+def method_overrides(method: str, L: int) -> list[str]:
+    """The overrides that make a run ``method``: PPO is the same trainer with the window at
+    the whole response (``L``). They go after the user's overrides, so a window given for the
+    T-PPO runs leaves PPO at ``l = L``."""
+    if method not in METHODS:
+        raise SystemExit(f"--methods: unknown method {method!r} (tppo, ppo)")
+    return [f"rollout.window={L}"] if method == "ppo" else []
+
+
 def train_command(config: str, run_dir: Path, overrides: list[str]) -> list[str]:
     """``tppo train`` of ``config`` into ``run_dir``, as CLI arguments."""
     return ["train", "--config", config, "--run-dir", str(run_dir), "--no-progress",

@@ -28,9 +28,15 @@ import shutil
 import statistics
 from pathlib import Path
 
-from tppo_jax.benchmarks.side_by_side import Job, run_jobs, train_command, warmstart_once
+from tppo_jax.benchmarks.side_by_side import (
+    METHODS,
+    Job,
+    method_overrides,
+    run_jobs,
+    train_command,
+    warmstart_once,
+)
 
-METHODS = {"tppo": [], "ppo": ["rollout.window={L}"]}
 PHASES = ("rollout", "grading", "update", "compile")
 
 
@@ -190,8 +196,7 @@ def _overrides(args: argparse.Namespace, L: int, seed: int, method: str) -> list
     return [f"train.seed={seed}", f"train.eval_every={args.eval_every}",
             f"train.eval_every_s={args.eval_every_s}",
             f"train.target_accuracy={args.target}", f"train.time_budget_s={args.budget_s}",
-            f"train.steps={args.max_steps}", *[e.format(L=L) for e in METHODS[method]],
-            *args.overrides]
+            f"train.steps={args.max_steps}", *args.overrides, *method_overrides(method, L)]
 
 
 def _train_run(args: argparse.Namespace, L: int, seed: int, method: str, run_dir: Path) -> None:

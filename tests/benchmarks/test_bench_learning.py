@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+from tppo_jax.benchmarks import learning
 from tppo_jax.benchmarks.learning import (
     aggregate,
     binomial_se,
@@ -59,3 +60,23 @@ def test_finished_runs_are_recognised(tmp_path):
     assert not finished(tmp_path)
     (tmp_path / "summary.json").write_text(json.dumps({"eval_after": {"avg@4": 1.0}}))
     assert finished(tmp_path)
+
+
+def test_ppo_runs_keep_the_whole_response_as_window():
+    """The learning bench's jobs: seeds then controls per method, the user's overrides on
+    each, and PPO's ``l = L`` after them, so a window given for T-PPO does not change PPO."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    learning.add_args(parser)
+    args = parser.parse_args(["--methods", "tppo,ppo", "--seeds", "2", "--control-seeds", "1",
+                              "rollout.window=16"])
+    jobs = dict(learning._jobs(args, 64))
+    assert list(jobs) == ["tppo-rl-seed0", "tppo-rl-seed1", "tppo-control-seed0",
+                          "ppo-rl-seed0", "ppo-rl-seed1", "ppo-control-seed0"]
+    assert jobs["tppo-control-seed0"] == ["train.seed=0", "reward.shuffle_control=true",
+                                          "rollout.window=16"]
+    assert jobs["ppo-rl-seed1"] == ["train.seed=1", "rollout.window=16", "rollout.window=64"]
+    args.methods = "tppo,grpo"
+    with pytest.raises(SystemExit, match="unknown method 'grpo'"):
+        learning._jobs(args, 64)

@@ -84,7 +84,8 @@ def test_target_sweep_and_final_eval(tmp_path):
 
 def test_jobs_train_each_seeds_two_runs_side_by_side(tmp_path, monkeypatch):
     """--jobs 2: every (seed, method) run as a ``tppo train`` job, a seed's T-PPO and PPO
-    next to each other in the queue, PPO with l = L, each with the run's overrides."""
+    next to each other in the queue, each with the run's overrides; PPO at l = L even when
+    the overrides give the T-PPO runs another window."""
     import argparse
 
     from tppo_jax.benchmarks import tppo_vs_ppo
@@ -95,7 +96,8 @@ def test_jobs_train_each_seeds_two_runs_side_by_side(tmp_path, monkeypatch):
     parser = argparse.ArgumentParser()
     tppo_vs_ppo.add_args(parser)
     args = parser.parse_args(["--config", "smoke", "--seeds", "2", "--jobs", "2",
-                              "--sweep", "30,40", "algo.kl_coef=0.5"])
+                              "--sweep", "30,40", "algo.kl_coef=0.5",
+                              "rollout.window=16"])
     assert args.sweep == [30.0, 40.0]
     monkeypatch.setattr("tppo_jax.train.warmstart.cached", lambda *a, **k: None)
     tppo_vs_ppo._train_side_by_side(args, 64, tmp_path)
@@ -105,4 +107,6 @@ def test_jobs_train_each_seeds_two_runs_side_by_side(tmp_path, monkeypatch):
     ppo1 = got["jobs"][3].args
     assert ppo1[:5] == ["train", "--config", "smoke", "--run-dir", str(tmp_path / "ppo-seed1")]
     assert {"train.seed=1", "rollout.window=64", "algo.kl_coef=0.5"} <= set(ppo1)
+    assert ppo1[-1] == "rollout.window=64"  # the last word on the window: PPO stays l = L
     assert "rollout.window=64" not in got["jobs"][2].args
+    assert got["jobs"][2].args[-1] == "rollout.window=16"
