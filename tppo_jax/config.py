@@ -123,6 +123,10 @@ class AlgoConfig:
     # for many steps, and every unfinished window then bootstraps from a value that is too low)
     value_bias_init: Literal["zero", "mean_reward"] = "zero"
     whiten_advantages: bool = True
+    # Whitening subtracts the batch's token-mean advantage first; false = divide by the
+    # standard deviation only, so every advantage keeps its sign (with the group baseline a
+    # right answer's tokens are never pushed down, its stop decision included)
+    whiten_center: bool = True
     # A wrong answer's lines before its first invalid step (sympy step verifier) get no policy
     # advantage: the outcome blames the slip and what follows, not the right lines before it
     blame_from_first_error: bool = False

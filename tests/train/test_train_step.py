@@ -81,6 +81,24 @@ def test_blame_start_zeroes_the_advantage_before_it_and_whitens_over_the_rest():
     assert float(jnp.abs(out["advantages"][1, 5:] - base["advantages"][1, 5:]).max()) > 1e-3
 
 
+def test_whiten_center_false_scales_without_shifting_so_signs_stay():
+    batch, values = _batch()
+    kw = dict(length_adaptive=False, lam_policy=0.9, window_ignore_tokens=8, advantage_clip=None)
+    raw = compute_targets(values, batch, StepConfig(
+        algo=AlgoConfig(whiten_advantages=False, **kw), optim=OptimConfig(), window=6,
+        temperature=1.0))
+    out = compute_targets(values, batch, StepConfig(
+        algo=AlgoConfig(whiten_center=False, **kw), optim=OptimConfig(), window=6,
+        temperature=1.0))
+    m = np.asarray(raw["policy_mask"]) > 0
+    r, a = np.asarray(raw["advantages"])[m], np.asarray(out["advantages"])[m]
+    assert np.all(np.sign(r) == np.sign(a))
+    np.testing.assert_allclose(a, r / r.std(ddof=1), rtol=1e-4)
+    centred = np.asarray(compute_targets(values, batch, StepConfig(
+        algo=AlgoConfig(**kw), optim=OptimConfig(), window=6, temperature=1.0))["advantages"])[m]
+    assert abs(centred.mean()) < 1e-5 and abs(a.mean()) > 1e-3
+
+
 def test_nan_loss_skips_update():
     model = create_model(ModelConfig.tiny(vocab_size=32))
     gd, st = nnx.split(model)

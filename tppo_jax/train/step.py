@@ -177,7 +177,7 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
     if "blame_start" in batch:
         amask = pmask * (jnp.arange(s)[None] >= batch["blame_start"][:, None])
     if a.whiten_advantages:
-        adv = algo.masked_whiten(adv, amask)
+        adv = algo.masked_whiten(adv, amask, shift_mean=a.whiten_center)
     if a.advantage_clip is not None:
         adv = algo.masked_clip(adv, amask, bound=a.advantage_clip)
     adv = adv * amask
