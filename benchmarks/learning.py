@@ -17,6 +17,8 @@ Methods: ``tppo`` (the config) and ``ppo`` (``rollout.window=L``), ``--methods t
     tppo bench learning --config default --seeds 3 --control-seeds 1 --jobs 2
     tppo bench learning --config longtail --methods tppo,ppo --seeds 3 --jobs 2
     tppo bench learning --config default --tag lr2 optim.policy_lr=2e-5   # a probe
+    tppo bench learning --config longtail --methods tppo,ppo --seeds 3 --summarize-only \
+        --heldout 256      # the finished runs, scored again on 256 held-out questions
 
 ``--jobs 2`` runs two at a time, each pinned to its own core (``taskset``), after the
 warm-start is trained once. Writes ``results/learning_<config>[_<tag>][_<methods>].json``
@@ -33,6 +35,7 @@ import shutil
 import statistics
 from pathlib import Path
 
+from tppo_jax.benchmarks.heldout_rescore import rescore_jobs, rescored_evals, start_dirs
 from tppo_jax.benchmarks.side_by_side import (
     Job,
     method_overrides,
@@ -77,15 +80,17 @@ def four_numbers(ev: dict, k: int) -> dict[str, float]:
             "steps_valid": ev["steps_all_valid_frac"]}
 
 
-def summarize_run(run_dir: Path, k: int, n_questions: int) -> dict:
-    """One run's before/after, changes with standard errors, greedy changes and curves."""
+def summarize_run(run_dir: Path, k: int, n_questions: int,
+                  evals: tuple[dict, dict] | None = None) -> dict:
+    """One run's before/after, changes with standard errors, greedy changes and curves.
+    ``evals``: ``(before, after)`` to use instead of the run's in-run evals (``--heldout``)."""
     summary = json.loads((run_dir / "summary.json").read_text())
-    before, after = summary["eval_before"], summary["eval_after"]
+    before, after = evals or (summary["eval_before"], summary["eval_after"])
     b, a = four_numbers(before, k), four_numbers(after, k)
     trials = {"avg": n_questions * k, "pass": n_questions, "greedy": n_questions,
               "steps_valid": n_questions * k}
     out: dict = {"before": b, "after": a, "delta": {m: a[m] - b[m] for m in b}, "se": {}}
-    if summary.get("eval_after_live"):  # optim.policy_ema: "after" is the average's
+    if summary.get("eval_after_live") and evals is None:  # optim.policy_ema: the average's
         live = four_numbers(summary["eval_after_live"], k)
         out["after_live"], out["delta_live"] = live, {m: live[m] - b[m] for m in b}
     for m in ("avg", "pass", "greedy"):
@@ -176,23 +181,32 @@ def run(args: argparse.Namespace) -> dict:
     jobs = _jobs(args, L)
     if not args.summarize_only:
         _train_all(args, jobs, runs)
+    dirs = {name: runs / f"{_prefix(args)}-{name}" for name, _ in jobs}
+    if args.heldout:
+        missing = [str(d) for d in dirs.values() if not finished(d)]
+        if missing:
+            raise SystemExit(f"--heldout: no finished run in {', '.join(missing)}")
+        run_jobs(rescore_jobs(dirs, args.heldout), args.jobs, label="learning --heldout")
+        starts = start_dirs(dirs)
     per: dict = {}
-    for name, _ in jobs:
-        run_dir = runs / f"{_prefix(args)}-{name}"
-        n_q = len(json.loads((run_dir / "summary.json").read_text())["eval_before"]
-                  ["greedy_correct_mask"])
-        per[name] = summarize_run(run_dir, k, n_q)
+    for name, run_dir in dirs.items():
+        evals = rescored_evals(run_dir, starts[name], args.heldout) if args.heldout else None
+        n_q = len((evals[0] if evals else json.loads((run_dir / "summary.json").read_text())
+                   ["eval_before"])["greedy_correct_mask"])
+        per[name] = summarize_run(run_dir, k, n_q, evals)
     groups: dict = {}
     for name, r in per.items():
         method, arm, _ = name.split("-")
         groups.setdefault(f"{method}-{arm}", []).append(r)
     results = {"config": args.config, "tag": args.tag, "overrides": args.overrides, "k": k,
-               "held_out_questions": n_q, "runs": per,
+               "held_out_questions": n_q, "held_out_rescored": bool(args.heldout),
+               "runs": per,
                "aggregate": {g: aggregate(rs) for g, rs in groups.items()}}
     results["targets"] = {g: meets(a, avg_gain=args.avg_gain, greedy_drop=args.greedy_drop)
                           for g, a in results["aggregate"].items() if g.endswith("-rl")}
     methods = "" if args.methods == "tppo" else "_" + args.methods.replace(",", "_")
-    out = Path(args.out) / f"learning_{_prefix(args).replace('-', '_')}{methods}.json"
+    heldout = f"_heldout{args.heldout}" if args.heldout else ""
+    out = Path(args.out) / f"learning_{_prefix(args).replace('-', '_')}{methods}{heldout}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
     _plot(results, out.with_suffix(".png"))
@@ -262,5 +276,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse", action="store_true",
                    help="keep runs that already finished (more seeds: train only the new ones)")
     p.add_argument("--summarize-only", action="store_true")
+    p.add_argument("--heldout", type=int, default=0, metavar="N",
+                   help="score the finished runs' starting and final policies again on the "
+                   "synthetic task's first N held-out questions (tppo eval --eval-size N; "
+                   "kept in the run dirs) and report those: writes ..._heldoutN.json")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("overrides", nargs="*", help="config overrides KEY=VALUE for every run")

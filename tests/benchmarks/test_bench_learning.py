@@ -80,3 +80,74 @@ def test_ppo_runs_keep_the_whole_response_as_window():
     args.methods = "tppo,grpo"
     with pytest.raises(SystemExit, match="unknown method 'grpo'"):
         learning._jobs(args, 64)
+
+
+def test_heldout_rescore_scores_each_seed_start_once_and_every_final(tmp_path):
+    """``--heldout N``: a seed's runs share one starting-policy score (the first run of the
+    seed holds it), every run gets its final policy's; existing scores are not redone."""
+    from tppo_jax.benchmarks.heldout_rescore import eval_path, rescore_jobs, start_dirs
+
+    runs = {n: tmp_path / n for n in ("tppo-rl-seed0", "tppo-rl-seed1", "tppo-control-seed0",
+                                      "ppo-rl-seed0")}
+    starts = start_dirs(runs)
+    assert starts["ppo-rl-seed0"] == starts["tppo-control-seed0"] == runs["tppo-rl-seed0"]
+    assert starts["tppo-rl-seed1"] == runs["tppo-rl-seed1"]
+    jobs = rescore_jobs(runs, 256)
+    assert len(jobs) == 2 * (2 + 4)  # (2 starts + 4 finals) x (sampled, greedy)
+    start = next(j for j in jobs if j.name == "tppo-rl-seed0 start greedy")
+    assert start.args == ["eval", str(runs["tppo-rl-seed0"]), "--eval-size", "256", "--out",
+                          str(tmp_path / "tppo-rl-seed0" / "eval_start_n256_greedy.json"),
+                          "--start", "--greedy"]
+    path = eval_path(runs["ppo-rl-seed0"], "final", 256, greedy=False)
+    path.parent.mkdir(parents=True)
+    path.write_text("{}")
+    assert len(rescore_jobs(runs, 256)) == len(jobs) - 1
+
+
+def test_heldout_rescore_reads_tppo_eval_results_as_a_run_eval(tmp_path):
+    """Two ``tppo eval`` JSONs (sampled, greedy) become the in-run eval's format, and the
+    learning summary reads them instead of ``summary.json``'s."""
+    from tppo_jax.benchmarks.heldout_rescore import eval_path, rescored_evals
+
+    def write(d, which, sampled_avg, greedy_mask):
+        d.mkdir(exist_ok=True)
+        g = greedy_mask.count("x") / len(greedy_mask) * 100
+        eval_path(d, which, 4, greedy=False).write_text(json.dumps(
+            {"avg@4": sampled_avg, "pass@4": 100.0, "steps_all_valid_frac": 0.5, "k": 4,
+             "boxed_frac": 1.0, "step": 0, "questions": 4}))
+        eval_path(d, which, 4, greedy=True).write_text(json.dumps(
+            {"avg@1": g, "pass@1": g, "correct_mask": greedy_mask, "k": 1, "step": 0,
+             "steps_all_valid_frac": 1.0, "questions": 4}))
+
+    run, first = tmp_path / "ppo-rl-seed0", tmp_path / "tppo-rl-seed0"
+    write(first, "start", 50.0, "xx..")
+    write(run, "final", 75.0, "xxx.")
+    before, after = rescored_evals(run, first, 4)
+    assert (before["avg@4"], before["greedy_accuracy"]) == (50.0, 50.0)
+    assert after["greedy_correct_mask"] == "xxx." and after["greedy_steps_all_valid_frac"] == 1.0
+    (run / "summary.json").write_text(json.dumps({
+        "eval_before": _ev(0.0, 0.0, 0.0, "...."), "eval_after": _ev(0.0, 0.0, 0.0, "....")}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": 0.5,
+                                                   "train_time_s": 1.0}) + "\n")
+    r = summarize_run(run, k=4, n_questions=4, evals=(before, after))
+    assert r["delta"]["avg"] == 25.0 and r["delta"]["greedy"] == 25.0
+    assert r["greedy_changes"] == {"lost": 0, "gained": 1}
+
+
+def test_eval_size_grows_only_the_synthetic_held_out_set():
+    """``tppo eval --eval-size``: a table source holds out its last rows, so another size
+    would score rows the run trained on; refused in one line."""
+    from tppo_jax.cli.runs import with_eval_size
+    from tppo_jax.config import ConfigError, load_config
+
+    cfg = load_config("longtail")
+    assert with_eval_size(cfg, 256).data.eval_size == 256
+    # Prefix-stable: the bigger set starts with the run's own questions.
+    from tppo_jax.data.run_data import synthetic_task
+
+    own = synthetic_task(cfg).sample(cfg.data.eval_size, "test")
+    assert synthetic_task(cfg).sample(256, "test")[:len(own)] == own
+    assert with_eval_size(cfg, None) is cfg
+    table = load_config("longtail", ["data.source=openai/gsm8k"])
+    with pytest.raises(ConfigError, match="trained on"):
+        with_eval_size(table, 256)

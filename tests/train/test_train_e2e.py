@@ -65,6 +65,14 @@ def test_smoke_train_then_resume(tmp_path):
     after = json.loads((run / "summary.json").read_text())["eval_after"]
     assert res["protocol"]["name"] == "run" and f"avg@{k}" in after
     assert (res[f"avg@{k}"], res[f"pass@{k}"]) == (after[f"avg@{k}"], after[f"pass@{k}"])
+    # --start scores the policy the run started from: its greedy answers are the ones the
+    # eval before training graded, question by question.
+    r = _tppo("eval", str(run), "--start", "--greedy", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    start = json.loads((run / "eval_start.json").read_text())
+    before = json.loads((run / "summary.json").read_text())["eval_before"]
+    assert start["start"] and start["step"] == 0
+    assert start["correct_mask"] == before["greedy_correct_mask"]
     r = _tppo("eval", str(run), "--protocol", "paper", "-k", "2", "--out",
               str(tmp_path / "paper.json"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tppo_jax.cli.args import (
     add_config_args,
@@ -20,6 +20,8 @@ from tppo_jax.cli.args import (
 from tppo_jax.eval.protocol import PROTOCOLS
 
 if TYPE_CHECKING:
+    from tppo_jax.config import Config
+    from tppo_jax.models.tokenizer import Tokenizer
     from tppo_jax.train.checkpoint import Checkpointer
 
 
@@ -146,6 +148,36 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True)
     return cfg, tok, nnx.merge(pdef, template), step or 0, tok_file
 
 
+def load_run_start(run_dir: Path) -> tuple[Config, Tokenizer, Any, int]:
+    """(config, tokenizer, policy, 0): the policy a run started from (its warm-start or
+    model, without adapters), the one its eval before training scored."""
+    from tppo_jax.config import ConfigError, load_config
+    from tppo_jax.train.setup import load_policy
+
+    if not (run_dir / "config.yaml").exists():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
+    cfg = load_config(run_dir / "config.yaml")
+    tok, policy, _ = load_policy(cfg, run_dir, progress=False)
+    return cfg, tok, policy, 0
+
+
+def with_eval_size(cfg: Config, eval_size: int | None) -> Config:
+    """``cfg`` with ``data.eval_size = eval_size`` (None: as it is). Only the synthetic
+    task's held-out split grows without taking rows a run trained on (a table's held-out
+    set is its last rows)."""
+    import dataclasses
+
+    from tppo_jax.config import ConfigError
+
+    if eval_size is None or eval_size == cfg.data.eval_size:
+        return cfg
+    if cfg.data.source != "synthetic":
+        raise ConfigError(f"tppo eval --eval-size: data.source {cfg.data.source!r} holds out "
+                          "its last rows, so another size would score rows the run trained "
+                          "on; only the synthetic task's held-out set can grow")
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_size=eval_size))
+
+
 def require_step(ckpt: Checkpointer, step: int) -> None:
     """Refuses a ``--step`` that was never saved (naming those that were), rather than
     reporting it as a damaged checkpoint."""
@@ -168,6 +200,13 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
                    "also an HF folder or a Hub model id")
     p.add_argument("--step", type=non_negative_int, default=None,
                    help="checkpoint step (default: latest)")
+    p.add_argument("--start", action="store_true",
+                   help="the run's starting policy (what its eval before training scored) "
+                   "instead of a checkpoint")
+    p.add_argument("--eval-size", type=positive_int, default=None, metavar="N",
+                   help="the synthetic task's first N held-out questions instead of the "
+                   "run's data.eval_size (the set is prefix-stable: a bigger N holds the run's "
+                   "own questions and none it trained on)")
     p.add_argument("--protocol", choices=PROTOCOLS, default=None,
                    help="how sampled answers are drawn (docs/eval.md): run = the run's "
                    "training sampling and train.eval_samples, as its in-run held-out eval "
@@ -188,8 +227,12 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from tppo_jax.cli.eval_benchmark import cmd_benchmark, refuse_benchmark_options
+    from tppo_jax.config import ConfigError
 
     if args.benchmark is not None:
+        if args.start or args.eval_size is not None:
+            raise ConfigError("tppo eval --benchmark: --start and --eval-size are for a run's "
+                              "held-out set")
         return cmd_benchmark(args, load_run_policy)
     refuse_benchmark_options(args)
     from tppo_jax.data.prompts import prompt_builder
@@ -200,7 +243,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tppo_jax.rollout.decode import SamplingParams
 
     run_dir = Path(args.run_dir)
-    cfg, tok, policy, step, _ = load_run_policy(run_dir, args.step)
+    if args.start and args.step is not None:
+        raise ConfigError("tppo eval: --start and --step name different policies; give one")
+    cfg, tok, policy, step = (load_run_start(run_dir) if args.start
+                              else load_run_policy(run_dir, args.step)[:4])
+    cfg = with_eval_size(cfg, args.eval_size)
     _, eval_rows, encode = prompt_rows(cfg, tok)  # the rows and prompts the run evaluates
     prompts = prompt_builder(cfg, tok)
     protocol = protocol_named(args.protocol or "run", cfg).overridden(
@@ -216,9 +263,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.show > 0:
             _show_samples(policy, tok, eval_rows[:args.show], prompts, grader, sampling, lens,
                           engines)
-    res.update(step=step, k=k, greedy=args.greedy, questions=len(eval_rows),
-               protocol=None if args.greedy else protocol.to_dict())
-    out = Path(args.out or run_dir / f"eval_{step}.json")
+    res.update(step=step, start=args.start, k=k, greedy=args.greedy,
+               questions=len(eval_rows), protocol=None if args.greedy else protocol.to_dict())
+    name = "start" if args.start else str(step)
+    size = f"_n{args.eval_size}" if args.eval_size is not None else ""
+    out = Path(args.out or run_dir / f"eval_{name}{size}.json")
     out.write_text(json.dumps(res, indent=2))
     print(json.dumps(res))
     return 0
@@ -244,6 +293,13 @@ def _export_args(p: argparse.ArgumentParser) -> None:
                    "run's adapters alone in OUT/adapter/, PEFT's layout)")
     p.add_argument("--step", type=non_negative_int, default=None,
                    help="checkpoint step (default: latest)")
+    p.add_argument("--start", action="store_true",
+                   help="the run's starting policy (what its eval before training scored) "
+                   "instead of a checkpoint")
+    p.add_argument("--eval-size", type=positive_int, default=None, metavar="N",
+                   help="the synthetic task's first N held-out questions instead of the "
+                   "run's data.eval_size (the set is prefix-stable: a bigger N holds the run's "
+                   "own questions and none it trained on)")
 
 
 ADAPTER_SUBDIR = "adapter"  # OUT/adapter/: a LoRA run's adapters alone, for PEFT

@@ -1,0 +1,76 @@
+"""A learning bench's finished runs, scored again on a bigger held-out set.
+
+On 64 held-out questions one question is 1.6 points, and a greedy answer whose right token
+leads its rival by a few hundredths of a nat is a coin that any update may flip: "greedy not
+down" is then a statement about two or three coins. The synthetic task's held-out split is
+prefix-stable, so ``tppo eval --eval-size N`` scores a run's starting and final policies on
+N questions that hold its own and none it trained on, under the run's own protocol (its
+sampling, ``train.eval_samples``, its seed), without training anything again.
+
+Each seed's starting policy is scored once (every run of a seed starts from the same
+warm-start with the same eval seed) in the first run of that seed; each run's final policy
+in the run. The JSONs are kept in the run dirs, so a second call only summarizes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tppo_jax.benchmarks.side_by_side import Job
+
+
+def eval_path(run_dir: Path, which: str, n: int, *, greedy: bool) -> Path:
+    """Where ``tppo eval`` keeps the ``which`` (``start`` or ``final``) policy's score."""
+    return run_dir / f"eval_{which}_n{n}{'_greedy' if greedy else ''}.json"
+
+
+def eval_command(run_dir: Path, which: str, n: int, *, greedy: bool) -> list[str]:
+    """``tppo eval`` of a run's ``which`` policy on ``n`` held-out questions."""
+    return ["eval", str(run_dir), "--eval-size", str(n),
+            "--out", str(eval_path(run_dir, which, n, greedy=greedy)),
+            *(["--start"] if which == "start" else []), *(["--greedy"] if greedy else [])]
+
+
+def start_dirs(runs: dict[str, Path]) -> dict[str, Path]:
+    """Run name -> the run dir that holds its seed's starting-policy score: the first run
+    (in ``runs``' order) of the same seed. Names end in ``-seed<s>``."""
+    first: dict[str, Path] = {}
+    out = {}
+    for name, run_dir in runs.items():
+        seed = name.rsplit("-", 1)[-1]
+        out[name] = first.setdefault(seed, run_dir)
+    return out
+
+
+def rescore_jobs(runs: dict[str, Path], n: int) -> list[Job]:
+    """The ``tppo eval`` jobs still missing: each seed's start and each run's final policy,
+    sampled and greedy."""
+    wanted = [(d, "start") for d in dict.fromkeys(start_dirs(runs).values())]
+    wanted += [(d, "final") for d in runs.values()]
+    jobs = []
+    for run_dir, which in wanted:
+        for greedy in (False, True):
+            if not eval_path(run_dir, which, n, greedy=greedy).exists():
+                name = f"{run_dir.name} {which}{' greedy' if greedy else ''}"
+                log = eval_path(run_dir, which, n, greedy=greedy).with_suffix(".log")
+                jobs.append(Job(name, eval_command(run_dir, which, n, greedy=greedy), log))
+    return jobs
+
+
+def as_run_eval(sampled: dict, greedy: dict) -> dict:
+    """Two ``tppo eval`` results (sampled, greedy) in the format of a run's in-run held-out
+    eval (``summary.json``'s ``eval_before`` / ``eval_after``)."""
+    k = sampled["k"]
+    return {"accuracy": sampled[f"avg@{k}"], "greedy_accuracy": greedy["avg@1"], **sampled,
+            **{f"greedy_{m}": v for m, v in greedy.items()
+               if m not in ("step", "start", "k", "greedy", "questions", "protocol")},
+            "greedy_correct_mask": greedy["correct_mask"]}
+
+
+def rescored_evals(run_dir: Path, start_dir: Path, n: int) -> tuple[dict, dict]:
+    """``(before, after)`` of one run on ``n`` held-out questions, as ``summary.json``'s."""
+    def read(d: Path, which: str) -> dict:
+        return as_run_eval(*(json.loads(eval_path(d, which, n, greedy=g).read_text())
+                             for g in (False, True)))
+    return read(start_dir, "start"), read(run_dir, "final")
