@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +55,8 @@ def warmstart_once(config: str, overrides: list[str], runs: Path, *, progress: b
 
 def run_jobs(jobs: list[Job], n: int, *, label: str) -> None:
     """Runs every job, ``n`` at a time (each on its own core when ``n > 1`` and ``taskset``
-    exists), in order; a failed job stops the rest with a one-line error naming its log."""
+    exists), started in order, the next as soon as any running one ends; a failed job stops
+    the rest with a one-line error naming its log."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     pending, live = list(jobs), []
     while pending or live:
@@ -70,8 +72,13 @@ def run_jobs(jobs: list[Job], n: int, *, label: str) -> None:
             with job.log.open("w") as log:
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
             live.append((proc, job, core))
-        proc, job, _ = live.pop(0)
-        if proc.wait():
+        # The first to finish frees its core (jobs of unequal length, such as a sampled and
+        # a greedy eval, do not leave a core idle behind the longer one).
+        while not any(p.poll() is not None for p, _, _ in live):
+            time.sleep(0.2)
+        proc, job, _ = next(x for x in live if x[0].poll() is not None)
+        live = [x for x in live if x[0] is not proc]
+        if proc.returncode:
             for other, _, _ in live:
                 other.terminate()
             raise SystemExit(f"[{label}] {job.name} failed (exit {proc.returncode}); see "
