@@ -202,6 +202,7 @@ def run(args: argparse.Namespace) -> dict:
                "held_out_questions": n_q, "held_out_rescored": bool(args.heldout),
                "runs": per,
                "aggregate": {g: aggregate(rs) for g, rs in groups.items()}}
+    results["target_thresholds"] = {"avg_gain": args.avg_gain, "greedy_drop": args.greedy_drop}
     results["targets"] = {g: meets(a, avg_gain=args.avg_gain, greedy_drop=args.greedy_drop)
                           for g, a in results["aggregate"].items() if g.endswith("-rl")}
     methods = "" if args.methods == "tppo" else "_" + args.methods.replace(",", "_")
