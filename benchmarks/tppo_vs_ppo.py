@@ -140,11 +140,12 @@ def run(args: argparse.Namespace) -> dict:
 
     out_dir = Path(args.out)
     name = _out_name(args.config)
-    base = load_config(args.config)
+    # With the user's overrides: the window T-PPO ran with and the L that PPO's window is.
+    base = load_config(args.config, args.overrides)
     L = base.rollout.max_response_len
     results: dict = {"target": args.target, "budget_s": args.budget_s, "config": args.config,
-                     "L": L, "window": base.rollout.window, "slots": base.rollout.slots,
-                     "seeds": {}}
+                     "overrides": args.overrides, "L": L, "window": base.rollout.window,
+                     "slots": base.rollout.slots, "seeds": {}}
     runs = out_dir / "runs" / ("" if name == "tppo_vs_ppo" else Path(args.config).stem)
     if (args.seed is not None or args.method is not None) and not args.summarize_only:
         # Just the selected run(s); the summary waits for --summarize-only.

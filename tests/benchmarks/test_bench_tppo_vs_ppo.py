@@ -110,3 +110,21 @@ def test_jobs_train_each_seeds_two_runs_side_by_side(tmp_path, monkeypatch):
     assert ppo1[-1] == "rollout.window=64"  # the last word on the window: PPO stays l = L
     assert "rollout.window=64" not in got["jobs"][2].args
     assert got["jobs"][2].args[-1] == "rollout.window=16"
+
+
+def test_summary_records_the_window_the_overrides_gave(tmp_path):
+    """``--summarize-only rollout.window=8``: the JSON names the window the T-PPO runs had
+    and the overrides, not the config's own window."""
+    import argparse
+
+    from tppo_jax.benchmarks import tppo_vs_ppo
+
+    for method in ("tppo", "ppo"):
+        _write(tmp_path / "runs" / "smoke" / f"{method}-seed0", [(4, 10.0, 1.0), (2, 30.0, 1.0)])
+    parser = argparse.ArgumentParser()
+    tppo_vs_ppo.add_args(parser)
+    args = parser.parse_args(["--config", "smoke", "--seeds", "1", "--target", "35",
+                              "--summarize-only", "--out", str(tmp_path), "rollout.window=8"])
+    res = tppo_vs_ppo.run(args)
+    assert res["window"] == 8 and res["overrides"] == ["rollout.window=8"]
+    assert json.loads((tmp_path / "tppo_vs_ppo_smoke.json").read_text())["window"] == 8
