@@ -139,6 +139,16 @@ def _compare(lengths, slots, window, max_len, prompt, unit, packed, sample_ratio
     return per
 
 
+def run_window(run_dir: Path, default: int) -> int:
+    """The window the T-PPO run in ``run_dir`` trained with (its ``config.yaml``), so the
+    CPU check replays the schedule the measured run had, whatever the config says now;
+    ``default`` when the run dir holds no config."""
+    from tppo_jax.config import load_config
+
+    path = run_dir / "config.yaml"
+    return load_config(path).rollout.window if path.exists() else default
+
+
 def run(args: argparse.Namespace) -> dict:
     from tppo_jax.config import load_config
     from tppo_jax.plan import ARCHITECTURES
@@ -158,7 +168,9 @@ def run(args: argparse.Namespace) -> dict:
     out["cpu_units"] = {"per_run": unit_cpu, "used": unit}
     lengths = _task_lengths(cpu, runs, args.samples)
     sample_ratio = args.sample_ratio if args.sample_ratio is not None else 1.0
-    cpu_pred = _compare(lengths, r.slots, r.window, r.max_response_len, args.cpu_prompt_len,
+    window = run_window(runs / f"tppo-seed{args.seed}", r.window)
+    out["cpu_window"] = window
+    cpu_pred = _compare(lengths, r.slots, window, r.max_response_len, args.cpu_prompt_len,
                         unit, False, sample_ratio)
     out["cpu_check"] = {"predicted": cpu_pred,
                         "measured": _measured(runs, args.seed) if len(have) == 2 else None}

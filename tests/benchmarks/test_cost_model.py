@@ -28,3 +28,17 @@ def test_accelerator_units_are_roofline_terms():
     assert u["t_step"] == pytest.approx(max(2e9 / (2 * bw), 2e9 * 8 / (2 * flops * 0.5)))
     assert u["t_kv"] == pytest.approx(1000 / (2 * bw))
     assert u["t_update"] == pytest.approx(6e9 / (2 * flops * 0.5)) and u["t_grade"] == 0.25
+
+
+def test_cpu_check_replays_the_window_the_measured_run_had(tmp_path):
+    """The CPU check replays the T-PPO run's own window (its ``config.yaml``), not the
+    config's current one; without a config in the run dir, the given default."""
+    from tppo_jax.benchmarks.cost_model import run_window
+
+    from tppo_jax.config import load_config
+
+    run = tmp_path / "tppo-seed0"
+    run.mkdir()
+    assert run_window(run, 128) == 128
+    (run / "config.yaml").write_text(load_config("longtail", ["rollout.window=64"]).to_yaml())
+    assert run_window(run, 128) == 64
