@@ -293,13 +293,6 @@ def _export_args(p: argparse.ArgumentParser) -> None:
                    "run's adapters alone in OUT/adapter/, PEFT's layout)")
     p.add_argument("--step", type=non_negative_int, default=None,
                    help="checkpoint step (default: latest)")
-    p.add_argument("--start", action="store_true",
-                   help="the run's starting policy (what its eval before training scored) "
-                   "instead of a checkpoint")
-    p.add_argument("--eval-size", type=positive_int, default=None, metavar="N",
-                   help="the synthetic task's first N held-out questions instead of the "
-                   "run's data.eval_size (the set is prefix-stable: a bigger N holds the run's "
-                   "own questions and none it trained on)")
 
 
 ADAPTER_SUBDIR = "adapter"  # OUT/adapter/: a LoRA run's adapters alone, for PEFT
