@@ -51,21 +51,26 @@ def rescore_jobs(runs: dict[str, Path], n: int) -> list[Job]:
     jobs = []
     for run_dir, which in wanted:
         for greedy in (False, True):
-            if not eval_path(run_dir, which, n, greedy=greedy).exists():
+            path = eval_path(run_dir, which, n, greedy=greedy)
+            if not path.exists():
                 name = f"{run_dir.name} {which}{' greedy' if greedy else ''}"
-                log = eval_path(run_dir, which, n, greedy=greedy).with_suffix(".log")
-                jobs.append(Job(name, eval_command(run_dir, which, n, greedy=greedy), log))
+                jobs.append(Job(name, eval_command(run_dir, which, n, greedy=greedy),
+                                path.with_suffix(".log")))
     return jobs
 
 
+# What ``tppo eval`` adds to ``evaluate``'s metrics: not part of an in-run eval record.
+CLI_KEYS = ("step", "start", "k", "greedy", "questions", "protocol")
+
+
 def as_run_eval(sampled: dict, greedy: dict) -> dict:
-    """Two ``tppo eval`` results (sampled, greedy) in the format of a run's in-run held-out
-    eval (``summary.json``'s ``eval_before`` / ``eval_after``)."""
-    k = sampled["k"]
-    return {"accuracy": sampled[f"avg@{k}"], "greedy_accuracy": greedy["avg@1"], **sampled,
-            **{f"greedy_{m}": v for m, v in greedy.items()
-               if m not in ("step", "start", "k", "greedy", "questions", "protocol")},
-            "greedy_correct_mask": greedy["correct_mask"]}
+    """Two ``tppo eval`` results (sampled, greedy) as the run's own held-out eval records
+    them (``summary.json``'s ``eval_before`` / ``eval_after``)."""
+    from tppo_jax.train.evals import eval_record
+
+    def metrics(res: dict) -> dict:
+        return {m: v for m, v in res.items() if m not in CLI_KEYS}
+    return eval_record(metrics(sampled), metrics(greedy), sampled["k"])
 
 
 def rescored_evals(run_dir: Path, start_dir: Path, n: int) -> tuple[dict, dict]:

@@ -80,16 +80,19 @@ def four_numbers(ev: dict, k: int) -> dict[str, float]:
             "steps_valid": ev["steps_all_valid_frac"]}
 
 
-def summarize_run(run_dir: Path, k: int, n_questions: int,
+def summarize_run(run_dir: Path, k: int, n_questions: int | None = None,
                   evals: tuple[dict, dict] | None = None) -> dict:
     """One run's before/after, changes with standard errors, greedy changes and curves.
-    ``evals``: ``(before, after)`` to use instead of the run's in-run evals (``--heldout``)."""
+    ``evals``: ``(before, after)`` to use instead of the run's in-run evals (``--heldout``);
+    ``n_questions``: by default, the length of the greedy answers' mask before."""
     summary = json.loads((run_dir / "summary.json").read_text())
     before, after = evals or (summary["eval_before"], summary["eval_after"])
+    n_questions = n_questions or len(before["greedy_correct_mask"])
     b, a = four_numbers(before, k), four_numbers(after, k)
     trials = {"avg": n_questions * k, "pass": n_questions, "greedy": n_questions,
               "steps_valid": n_questions * k}
-    out: dict = {"before": b, "after": a, "delta": {m: a[m] - b[m] for m in b}, "se": {}}
+    out: dict = {"before": b, "after": a, "delta": {m: a[m] - b[m] for m in b}, "se": {},
+                 "questions": n_questions}
     if summary.get("eval_after_live") and evals is None:  # optim.policy_ema: the average's
         live = four_numbers(summary["eval_after_live"], k)
         out["after_live"], out["delta_live"] = live, {m: live[m] - b[m] for m in b}
@@ -187,13 +190,12 @@ def run(args: argparse.Namespace) -> dict:
         if missing:
             raise SystemExit(f"--heldout: no finished run in {', '.join(missing)}")
         run_jobs(rescore_jobs(dirs, args.heldout), args.jobs, label="learning --heldout")
-        starts = start_dirs(dirs)
-    per: dict = {}
-    for name, run_dir in dirs.items():
-        evals = rescored_evals(run_dir, starts[name], args.heldout) if args.heldout else None
-        n_q = len((evals[0] if evals else json.loads((run_dir / "summary.json").read_text())
-                   ["eval_before"])["greedy_correct_mask"])
-        per[name] = summarize_run(run_dir, k, n_q, evals)
+    starts = start_dirs(dirs)
+    per = {name: summarize_run(run_dir, k, evals=rescored_evals(run_dir, starts[name],
+                                                                args.heldout)
+                               if args.heldout else None)
+           for name, run_dir in dirs.items()}
+    n_q = next(iter(per.values()))["questions"]
     groups: dict = {}
     for name, r in per.items():
         method, arm, _ = name.split("-")

@@ -103,7 +103,7 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True)
     adapters are folded into the weights unless ``merge_lora`` is False."""
     from flax import nnx
 
-    from tppo_jax.config import ConfigError, load_config
+    from tppo_jax.config import ConfigError
     from tppo_jax.models.tokenizer import Tokenizer
     from tppo_jax.train.checkpoint import (
         MODEL_SUBDIR,
@@ -115,9 +115,7 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True)
     from tppo_jax.train.setup import load_models
     from tppo_jax.train.warmstart import RUN_SUBDIR
 
-    if not (run_dir / "config.yaml").exists():
-        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = run_config(run_dir)
     ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", every=0, keep=1000)
     try:
         if step is not None:
@@ -148,15 +146,21 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True)
     return cfg, tok, nnx.merge(pdef, template), step or 0, tok_file
 
 
-def load_run_start(run_dir: Path) -> tuple[Config, Tokenizer, Any, int]:
-    """(config, tokenizer, policy, 0): the policy a run started from (its warm-start or
-    model, without adapters), the one its eval before training scored."""
+def run_config(run_dir: Path) -> Config:
+    """A run directory's config, or a one-line error when ``run_dir`` is not one."""
     from tppo_jax.config import ConfigError, load_config
-    from tppo_jax.train.setup import load_policy
 
     if not (run_dir / "config.yaml").exists():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = load_config(run_dir / "config.yaml")
+    return load_config(run_dir / "config.yaml")
+
+
+def load_run_start(run_dir: Path) -> tuple[Config, Tokenizer, Any, int]:
+    """(config, tokenizer, policy, 0): the policy a run started from (its warm-start or
+    model, without adapters), the one its eval before training scored."""
+    from tppo_jax.train.setup import load_policy
+
+    cfg = run_config(run_dir)
     tok, policy, _ = load_policy(cfg, run_dir, progress=False)
     return cfg, tok, policy, 0
 

@@ -30,6 +30,13 @@ def heldout_eval(run: Run, state: TrainState, *, live: bool = False) -> dict[str
                        k=k, sampling=p.sampling, seed=p.seed, **kw)
     greedy = evaluate(policy_module(run, state), tok, run.eval_rows, run.encode, run.grader,
                       **kw)
+    return eval_record(sampled, greedy, k)
+
+
+def eval_record(sampled: dict[str, Any], greedy: dict[str, Any], k: int) -> dict[str, Any]:
+    """A held-out eval's record (``summary.json``'s ``eval_before`` / ``eval_after``) from
+    its sampled (``k`` per question) and greedy ``evaluate`` results: the headline avg@k as
+    ``accuracy``, the greedy results under ``greedy_``."""
     return {"accuracy": sampled[f"avg@{k}"], "greedy_accuracy": greedy["avg@1"],
             **sampled, **{f"greedy_{n}": v for n, v in greedy.items()}}
 
