@@ -132,6 +132,13 @@ class AlgoConfig:
     blame_from_first_error: bool = False
     # The policy's update runs columns before a row's window forward only (docs/config.md)
     detach_prefix: bool = False
+    # What the policy trains on each step. "window": every live row's current window, EGAE
+    # on the unfinished ones (T-PPO as the paper has it). "response": a row trains once, on
+    # its whole response, in the step it finishes, with a finished row's advantage; an
+    # unfinished row waits (no policy gradient, no KL), so no policy token rests on the
+    # critic's bootstrap. Its earlier windows' ratios are taken against the policy that
+    # sampled them. The same as "window" when l >= L (PPO)
+    policy_trains: Literal["window", "response"] = "window"
     advantage_clip: float | None = 10.0
     value_clip_low: float | None = 0.5
     value_clip_high: float | None = 0.6

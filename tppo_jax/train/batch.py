@@ -55,7 +55,7 @@ class RowPlan:
     so every host plans the same steps): ``lengths [B]`` columns each row uses, ``shuffle
     [B, epochs]`` each epoch's row order, ``finished`` the rows the critic trains on,
     ``train_start [B]`` the first column each row's policy loss trains: its current
-    window's, or its response's on a row the positive-example NLL imitates."""
+    window's, or its response's on a row it trains whole (``row_plan``'s ``whole``)."""
 
     lengths: np.ndarray
     shuffle: np.ndarray
@@ -63,12 +63,12 @@ class RowPlan:
     train_start: np.ndarray
 
 
-def row_plan(rb: RolloutBatch, shuffle: np.ndarray, positive: np.ndarray | None = None
+def row_plan(rb: RolloutBatch, shuffle: np.ndarray, whole: np.ndarray | None = None
              ) -> RowPlan:
-    """This rollout's ``RowPlan`` (``shuffle``: this host's ``shuffle_keys``; ``positive
-    [B]``: this host's rows whose whole response the policy loss trains, None: none)."""
-    start = rb.window_start if positive is None else np.where(positive, rb.prompt_len,
-                                                               rb.window_start)
+    """This rollout's ``RowPlan`` (``shuffle``: this host's ``shuffle_keys``; ``whole [B]``:
+    this host's rows whose whole response the policy loss trains, None: none)."""
+    start = rb.window_start if whole is None else np.where(whole, rb.prompt_len,
+                                                            rb.window_start)
     if jax.process_count() == 1:
         lengths, fin = rb.total_len, rb.finished
     else:
@@ -94,9 +94,12 @@ def update_batch(run: Run, value: Any, roll: Rollout, step: int
     arrays = batch_arrays(rb, roll.reward, roll.correct, run.mesh, roll.token_rewards,
                           groups=run.cfg.algo.advantage_baseline == "group",
                           blame_start=roll.blame_start)
-    # the positive-example NLL trains a finished right row's whole response
-    positive = rb.finished & roll.correct if run.cfg.algo.nll_coef > 0 else None
-    plan = row_plan(rb, shuffle_keys(run.cfg, step, rb.tokens.shape[0]), positive)
+    # Rows whose whole response the policy loss trains: every finished row when the policy
+    # trains responses, else a finished right row, which the positive-example NLL imitates
+    a = run.cfg.algo
+    whole = rb.finished if a.policy_trains == "response" else (
+        rb.finished & roll.correct if a.nll_coef > 0 else None)
+    plan = row_plan(rb, shuffle_keys(run.cfg, step, rb.tokens.shape[0]), whole)
     return {**arrays, **run.steps.targets(value, arrays, lengths=plan.lengths)}, plan
 
 

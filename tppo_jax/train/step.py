@@ -134,7 +134,9 @@ def _scatter_window(xw: jax.Array, start: jax.Array, length: int) -> jax.Array:
 
 def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepConfig
                     ) -> dict[str, jax.Array]:
-    """EGAE advantages on the current window + MC returns + masks, all ``[B, S]``.
+    """EGAE advantages on the current window (``algo.policy_trains: response``: GAE on a
+    finished row's whole response, nothing on an unfinished one) + MC returns + masks, all
+    ``[B, S]``.
 
     Args:
       values: ``[B, S]`` ``V(s_t)`` from the critic at rollout time.
@@ -157,14 +159,17 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
         rewards = rewards + batch["token_rewards"]
 
     # Policy side: EGAE over the window [start, start + wlen).
-    w = cfg.window
-    mask_w = (jnp.arange(w)[None] < wlen[:, None]).astype(jnp.float32)
     resp_len = total - batch["prompt_len"]
     if a.length_adaptive:
-        lam = algo.length_adaptive_lambda(algo.effective_length(resp_len, fin, window=w),
-                                          alpha=a.alpha, lam_min=a.lam_min)
+        lam = algo.length_adaptive_lambda(
+            algo.effective_length(resp_len, fin, window=cfg.window), alpha=a.alpha,
+            lam_min=a.lam_min)
     else:
         lam = jnp.full((b,), a.lam_policy, jnp.float32)
+    w = cfg.window
+    if a.policy_trains == "response":  # a finished row's whole response; nothing else
+        start, wlen, w = batch["prompt_len"], jnp.where(fin, resp_len, 0), s
+    mask_w = (jnp.arange(w)[None] < wlen[:, None]).astype(jnp.float32)
     adv_w = algo.egae(_gather_window(rewards, start, w), _gather_window(values, start, w),
                       mask_w, fin, gamma=a.gamma, lam=lam)
     if a.advantage_baseline == "group":  # finished rows with a finished sibling: r - mean
