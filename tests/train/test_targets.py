@@ -59,6 +59,33 @@ def test_grouped_targets_equal_one_full_width_pass(lam_critic):
     assert np.abs(ref["advantages"]).max() > 0 and np.abs(ref["returns"]).max() > 0
 
 
+@pytest.mark.parametrize("baseline", ["critic", "group"])
+def test_training_responses_scores_the_finished_rows_only(baseline):
+    """``algo.policy_trains: response``: a target the updates read sits on a finished row, so
+    the critic's pass over the finished rows alone gives every target but ``values_old`` on
+    the unfinished rows (left 0, under a zero mask) unchanged."""
+    critic = ValueModel.from_policy(create_model(ModelConfig.tiny(vocab_size=32)))
+    gd, st = nnx.split(critic)
+    params = nnx.to_pure_dict(st)
+    lengths = np.array([90, 8, 40, 12, 70, 33, 9, 20])
+    batch = _window_batch(lengths)
+    batch["group"] = jnp.array([0, 0, 1, 1, 2, 2, 3, 3])
+    cfg = StepConfig(algo=AlgoConfig(policy_trains="response", advantage_baseline=baseline),
+                     optim=OptimConfig(minibatches=2), window=WINDOW, temperature=1.0)
+    targets = make_targets(gd, cfg)
+    fin = np.flatnonzero(np.asarray(batch["finished"]))
+    assert 0 < len(fin) < len(lengths)
+    some = jax.device_get(targets(params, batch, lengths=lengths, rows=fin))
+    every = jax.device_get(targets(params, batch, lengths=lengths))
+    for k, v in every.items():
+        if k == "values_old":
+            v = v * np.asarray(batch["finished"])[:, None]
+        np.testing.assert_allclose(some[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+    assert np.abs(every["advantages"]).max() > 0
+    none = jax.device_get(targets(params, batch, lengths=lengths, rows=fin[:0]))
+    assert not np.asarray(none["values_old"]).any()
+
+
 def test_grouped_targets_compile_once_per_group_shape():
     """Two batches of different lengths over the same width buckets reuse the critic's
     executables: one per (rows, width) group shape."""

@@ -100,7 +100,9 @@ def update_batch(run: Run, value: Any, roll: Rollout, step: int
     whole = rb.finished if a.policy_trains == "response" else (
         rb.finished & roll.correct if a.nll_coef > 0 else None)
     plan = row_plan(rb, shuffle_keys(run.cfg, step, rb.tokens.shape[0]), whole)
-    return {**arrays, **run.steps.targets(value, arrays, lengths=plan.lengths)}, plan
+    # Training responses, every target the updates read is on a finished row
+    scored = plan.finished if a.policy_trains == "response" else None
+    return {**arrays, **run.steps.targets(value, arrays, lengths=plan.lengths, rows=scored)}, plan
 
 
 def critic_update(run: Run, value: Any, opt_state: Any, batch: dict[str, jax.Array],

@@ -50,23 +50,33 @@ class Targets:
     finish: Callable
     blank: Callable  # zeros like ``attn [B, S]``, of a given dtype
 
-    def plan(self, lengths: np.ndarray, width: int) -> tuple[RowGroup, ...]:
-        """Every row once, longest first, in groups as one minibatch of the update holds
-        (at most ``B / (minibatches x grad_accum)`` rows: the same activation budget)."""
+    def plan(self, lengths: np.ndarray, width: int, rows: np.ndarray | None = None
+             ) -> tuple[RowGroup, ...]:
+        """Every row once (or ``rows``), longest first, in groups as one minibatch of the
+        update holds (at most ``B / (minibatches x grad_accum)`` rows: the same activation
+        budget)."""
         o, b = self.cfg.optim, len(lengths)
-        return plan_minibatch(np.arange(b), np.asarray(lengths), b, unit=self.unit, cap=width,
+        rows = np.arange(b) if rows is None else np.asarray(rows)
+        if not len(rows):
+            return ()
+        return plan_minibatch(rows, np.asarray(lengths), b, unit=self.unit, cap=width,
                               max_rows=max_group_rows(b, o.minibatches, o.grad_accum)).groups
 
     def __call__(self, value_params: Any, batch: dict[str, jax.Array], *,
-                 lengths: np.ndarray | None = None) -> dict[str, jax.Array]:
+                 lengths: np.ndarray | None = None, rows: np.ndarray | None = None
+                 ) -> dict[str, jax.Array]:
+        """``rows``: the only rows whose values any target reads (None: all); the others'
+        values are left 0."""
         if lengths is None:
             lengths = np.asarray(jax.device_get(batch["attn"].sum(1)))
         values = None
-        for g in self.plan(lengths, int(batch["tokens"].shape[1])):
+        for g in self.plan(lengths, int(batch["tokens"].shape[1]), rows):
             part = self.values(value_params, self.take(batch, g.rows, g.valid, width=g.width))
             if values is None:  # made where the batch lives (sharded like a row array)
                 values = self.blank(batch["attn"], part.dtype)
             values = self.put(values, part, g.rows, g.valid)
+        if values is None:  # no row to score
+            values = self.blank(batch["attn"], jnp.float32)
         return self.finish(values, batch)
 
 
