@@ -47,7 +47,7 @@ from tppo_jax.benchmarks.side_by_side import (
 METRICS = (("avg", "sampled avg@k"), ("pass", "pass@k"), ("greedy", "greedy"),
            ("steps_valid", "steps valid"))
 CURVES = ("reward_mean", "explained_variance", "approx_kl", "entropy", "adv_right_mean",
-          "adv_wrong_mean", "adv_unfinished_mean", "adv_right_neg_frac")
+          "adv_wrong_mean", "adv_unfinished_mean", "adv_right_neg_frac", "group_baseline_frac")
 
 
 def binomial_se(p_percent: float, n: int) -> float:

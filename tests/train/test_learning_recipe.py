@@ -98,6 +98,44 @@ def test_group_baseline_leave_one_out_hand_computed():
     np.testing.assert_array_equal(has, [True, True, True, False, True, False])
 
 
+def test_group_ids_are_unique_over_hosts():
+    from tppo_jax.train.batch import global_group_ids
+
+    ids = np.array([0, 0, 5, 5, 7])
+    one = global_group_ids(ids, 0, 1)
+    np.testing.assert_array_equal(one, ids)  # one process: the scheduler's own ids
+    a, b = global_group_ids(ids, 0, 2), global_group_ids(ids, 1, 2)
+    assert not set(a.tolist()) & set(b.tolist())  # host 0's group 5 is not host 1's
+    np.testing.assert_array_equal(a[:2] == a[1], [True, True])  # siblings stay siblings
+    big = global_group_ids(np.array([(1 << 40) + 3]), 3, 4)
+    assert big.dtype == np.int32 and big[0] >= 0
+
+
+def test_group_baseline_frac_hand_computed():
+    group = jnp.array([7, 7, 7, 9, 9, 4])
+    fin = jnp.array([True, True, False, True, False, True])
+    # rows 0 and 1 have each other; 3's sibling has not finished; 5 is alone
+    assert float(algo.group_baseline_frac(group, fin)) == pytest.approx(2 / 4)
+    assert float(algo.group_baseline_frac(group, jnp.zeros(6, bool))) == 0.0
+    # with row 3's group having a sibling graded in an earlier step
+    prior_n = jnp.array([0.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    assert float(algo.group_baseline_frac(group, fin, prior_n)) == pytest.approx(3 / 4)
+
+
+def test_group_baseline_reads_siblings_graded_earlier():
+    reward = jnp.array([1.0, 0.0, 1.0, 1.0, 0.0, 0.5])
+    group = jnp.array([7, 7, 7, 9, 9, 4])
+    fin = jnp.array([True, True, True, True, False, True])
+    # group 7 had one sample graded 0 before; group 9 had two, graded 1 and 0
+    prior_sum = jnp.array([0.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    prior_n = jnp.array([1.0, 1.0, 1.0, 2.0, 2.0, 0.0])
+    base, has = algo.group_baseline(reward, group, fin, prior_sum, prior_n)
+    np.testing.assert_allclose(base, [1 / 3, 2 / 3, 1 / 3, 0.5, 2 / 3, 0.0])
+    np.testing.assert_array_equal(has, [True, True, True, True, True, False])
+    same, _ = algo.group_baseline(reward, group, fin, jnp.zeros(6), jnp.zeros(6))
+    np.testing.assert_allclose(same, algo.group_baseline(reward, group, fin)[0])
+
+
 def test_group_advantage_replaces_egae_on_finished_rows_with_siblings():
     from tppo_jax.train.step import StepConfig, compute_targets
 

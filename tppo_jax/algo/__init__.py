@@ -7,6 +7,7 @@ from tppo_jax.algo.advantages import (
     egae,
     gae,
     group_baseline,
+    group_baseline_frac,
     length_adaptive_lambda,
     mc_returns,
 )
@@ -32,7 +33,8 @@ from tppo_jax.algo.masks import (
 
 __all__ = [
     "advantage_mass", "aggregate", "discounted_backward", "effective_length", "egae",
-    "explained_variance", "gae", "group_baseline", "kl_to_reference",
+    "explained_variance", "gae", "group_baseline", "group_baseline_frac",
+    "kl_to_reference",
     "length_adaptive_lambda", "masked_clip", "masked_mean", "masked_whiten", "mc_returns",
     "nll_loss", "policy_loss", "policy_mask", "positive_example_mask", "response_mask",
     "span_mask", "value_loss", "value_mask", "window_mask",

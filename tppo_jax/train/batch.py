@@ -23,7 +23,9 @@ if TYPE_CHECKING:  # annotations only: setup and collect build on this module's 
 
 def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh,
                  token_rewards: np.ndarray | None = None, groups: bool = False,
-                 blame_start: np.ndarray | None = None) -> dict[str, jax.Array]:
+                 blame_start: np.ndarray | None = None,
+                 group_prior: tuple[np.ndarray, np.ndarray] | None = None
+                 ) -> dict[str, jax.Array]:
     """The rollout as device arrays, split over the mesh's batch axes (global arrays of
     every host's rows when there are several processes).
 
@@ -44,9 +46,18 @@ def batch_arrays(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh
         arrays["token_rewards"] = token_rewards[:, :width]
     if blame_start is not None:
         arrays["blame_start"] = blame_start.astype(np.int32)
-    if groups:  # the prompt ids, for algo.advantage_baseline: group (int32 through int64)
-        arrays["group"] = (rb.group_id.astype(np.int64) % (1 << 31)).astype(np.int32)
+    if groups:  # the prompt ids, for algo.advantage_baseline: group
+        arrays["group"] = global_group_ids(rb.group_id, jax.process_index(), jax.process_count())
+    if group_prior is not None:  # algo.group_siblings: so_far (the scheduler's outcomes)
+        arrays["group_prior_sum"], arrays["group_prior_n"] = group_prior
     return {k: mh.host_to_global(v, mesh) for k, v in arrays.items()}
+
+
+def global_group_ids(group_id: np.ndarray, host: int, hosts: int) -> np.ndarray:
+    """``[B]`` int32 prompt ids unique over hosts: each host's scheduler counts its groups
+    from 0, so host 1's group 5 is not host 0's group 5 (ids wrap at 2**31 / hosts)."""
+    local = group_id.astype(np.int64) % ((1 << 31) // hosts)
+    return (local * hosts + host).astype(np.int32)
 
 
 @dataclass(frozen=True)
@@ -90,13 +101,14 @@ def update_batch(run: Run, value: Any, roll: Rollout, step: int
                  ) -> tuple[dict[str, jax.Array], RowPlan]:
     """The batch one step's updates train on: the rollout's arrays plus the critic's targets
     and EGAE advantages at ``value`` params; and its ``RowPlan`` (``step``'s shuffle)."""
-    rb = roll.rb
+    rb, a = roll.rb, run.cfg.algo
+    groups = a.advantage_baseline == "group"
+    prior = (run.sched.sibling_outcomes(rb.group_id)
+             if groups and a.group_siblings == "so_far" else None)
     arrays = batch_arrays(rb, roll.reward, roll.correct, run.mesh, roll.token_rewards,
-                          groups=run.cfg.algo.advantage_baseline == "group",
-                          blame_start=roll.blame_start)
+                          groups=groups, blame_start=roll.blame_start, group_prior=prior)
     # Rows whose whole response the policy loss trains: every finished row when the policy
     # trains responses, else a finished right row, which the positive-example NLL imitates
-    a = run.cfg.algo
     whole = rb.finished if a.policy_trains == "response" else (
         rb.finished & roll.correct if a.nll_coef > 0 else None)
     plan = row_plan(rb, shuffle_keys(run.cfg, step, rb.tokens.shape[0]), whole)

@@ -172,6 +172,7 @@ class Update:
 
 
 _advantage_mass = jax.jit(algo.advantage_mass)
+_group_baseline_frac = jax.jit(algo.group_baseline_frac)
 
 
 def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHooks,
@@ -200,6 +201,9 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
                                                   train_batch, plan)
     adv = _advantage_mass(train_batch["advantages"], train_batch["policy_mask"],
                           train_batch["finished"], train_batch["correct"])
+    if "group" in train_batch:  # algo.advantage_baseline: group
+        adv["group_baseline_frac"] = _group_baseline_frac(
+            train_batch["group"], train_batch["finished"], train_batch.get("group_prior_n"))
     pstats, vstats, adv = mh.tree_to_host((pstats, vstats, adv))  # replicated scalars
     vstats = {**vstats, **adv}
     skipped = float(pstats.get("policy_skipped", 0.0)) + float(vstats["value_skipped"])
@@ -222,6 +226,8 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
     state = step_ema(dataclasses.replace(state, policy=policy, value=value, policy_opt=opt_p,
                                          value_opt=opt_v, step=step + 1), cfg)
     sched.set_policy(policy_module(run, state), step + 1)
+    if "group_prior_n" in train_batch:  # the siblings later steps' baselines read
+        sched.record_outcomes(rb.group_id, roll.reward, rb.finished)
     sched.release_finished(rb.finished)
     return state, Update(pstats, vstats, width, nrows, cells, v_cells, n_comp, c_upd, t_update,
                          skipped_in_a_row)

@@ -144,7 +144,8 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
         grader's verdict, ``[B]`` bool: the positive-example NLL trains on these rows, not on
         ``reward > 0``, which shaping or +1/-1 rewards make a different set) and optionally
         ``token_rewards [B, S]`` (dense process rewards, added to the outcome reward),
-        ``group [B]`` (the prompt's id: ``algo.advantage_baseline: group``) and
+        ``group [B]`` (the prompt's id: ``algo.advantage_baseline: group``; with
+        ``group_prior_sum, group_prior_n [B]``, its siblings graded in earlier steps) and
         ``blame_start [B]`` (``algo.blame_from_first_error``: columns before it get no
         advantage; they stay in the policy mask, so the KL term still holds them).
     """
@@ -173,7 +174,8 @@ def compute_targets(values: jax.Array, batch: dict[str, jax.Array], cfg: StepCon
     adv_w = algo.egae(_gather_window(rewards, start, w), _gather_window(values, start, w),
                       mask_w, fin, gamma=a.gamma, lam=lam)
     if a.advantage_baseline == "group":  # finished rows with a finished sibling: r - mean
-        base, has = algo.group_baseline(batch["reward"], batch["group"], fin)
+        base, has = algo.group_baseline(batch["reward"], batch["group"], fin,
+                                        batch.get("group_prior_sum"), batch.get("group_prior_n"))
         adv_w = jnp.where((fin & has)[:, None], (batch["reward"] - base)[:, None] * mask_w,
                           adv_w)
     adv = _scatter_window(adv_w, start, s)
