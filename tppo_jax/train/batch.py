@@ -66,18 +66,22 @@ class RowPlan:
     so every host plans the same steps): ``lengths [B]`` columns each row uses, ``shuffle
     [B, epochs]`` each epoch's row order, ``finished`` the rows the critic trains on,
     ``train_start [B]`` the first column each row's policy loss trains: its current
-    window's, or its response's on a row it trains whole (``row_plan``'s ``whole``)."""
+    window's, or its response's on a row it trains whole (``row_plan``'s ``whole``);
+    ``policy_rows`` the rows the policy trains on (None: every row; ``finished`` when it
+    trains whole responses)."""
 
     lengths: np.ndarray
     shuffle: np.ndarray
     finished: np.ndarray
     train_start: np.ndarray
+    policy_rows: np.ndarray | None = None
 
 
-def row_plan(rb: RolloutBatch, shuffle: np.ndarray, whole: np.ndarray | None = None
-             ) -> RowPlan:
+def row_plan(rb: RolloutBatch, shuffle: np.ndarray, whole: np.ndarray | None = None,
+             responses: bool = False) -> RowPlan:
     """This rollout's ``RowPlan`` (``shuffle``: this host's ``shuffle_keys``; ``whole [B]``:
-    this host's rows whose whole response the policy loss trains, None: none)."""
+    this host's rows whose whole response the policy loss trains, None: none;
+    ``responses``: the policy trains the finished rows only, ``algo.policy_trains``)."""
     start = rb.window_start if whole is None else np.where(whole, rb.prompt_len,
                                                             rb.window_start)
     if jax.process_count() == 1:
@@ -85,8 +89,9 @@ def row_plan(rb: RolloutBatch, shuffle: np.ndarray, whole: np.ndarray | None = N
     else:
         lengths, fin = mh.gather_rows(rb.total_len), mh.gather_rows(rb.finished)
         shuffle, start = mh.gather_rows(shuffle), mh.gather_rows(start)
-    return RowPlan(np.asarray(lengths), np.asarray(shuffle), np.flatnonzero(fin),
-                   np.asarray(start))
+    fin = np.flatnonzero(fin)
+    return RowPlan(np.asarray(lengths), np.asarray(shuffle), fin, np.asarray(start),
+                   fin if responses else None)
 
 
 def shuffle_keys(cfg: Config, step: int, rows: int) -> np.ndarray:
@@ -109,12 +114,13 @@ def update_batch(run: Run, value: Any, roll: Rollout, step: int
                           groups=groups, blame_start=roll.blame_start, group_prior=prior)
     # Rows whose whole response the policy loss trains: every finished row when the policy
     # trains responses, else a finished right row, which the positive-example NLL imitates
-    whole = rb.finished if a.policy_trains == "response" else (
+    responses = a.policy_trains == "response"
+    whole = rb.finished if responses else (
         rb.finished & roll.correct if a.nll_coef > 0 else None)
-    plan = row_plan(rb, shuffle_keys(run.cfg, step, rb.tokens.shape[0]), whole)
-    # Training responses, every target the updates read is on a finished row
-    scored = plan.finished if a.policy_trains == "response" else None
-    return {**arrays, **run.steps.targets(value, arrays, lengths=plan.lengths, rows=scored)}, plan
+    plan = row_plan(rb, shuffle_keys(run.cfg, step, rb.tokens.shape[0]), whole, responses)
+    # Training responses, every target the updates read is on a row the policy trains
+    targets = run.steps.targets(value, arrays, lengths=plan.lengths, rows=plan.policy_rows)
+    return {**arrays, **targets}, plan
 
 
 def critic_update(run: Run, value: Any, opt_state: Any, batch: dict[str, jax.Array],

@@ -190,7 +190,7 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
     width = int(train_batch["tokens"].shape[1])
     policy, opt_p, pstats, cells = state.policy, state.policy_opt, {}, 0
     # algo.policy_trains: response trains the finished rows only (none finished: no update)
-    p_rows = plan.finished if cfg.algo.policy_trains == "response" else None
+    p_rows = plan.policy_rows
     if step >= cfg.algo.critic_warmup_steps and (p_rows is None or len(p_rows)):
         p_plan = fns.policy.plan(plan.lengths, width, plan.shuffle, rows=p_rows,
                                  train_start=plan.train_start)
