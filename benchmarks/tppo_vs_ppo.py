@@ -9,7 +9,8 @@ start from the same warm-started policy. Writes
 otherwise (per seed and median: ``time_to_target_s`` per method and ``speedup``; rollout
 throughput as finished samples and useful -- finished -- tokens per second of rollout, and
 ``throughput_ratio`` = T-PPO / PPO finished samples per second; occupancy; the step time split
-into rollout / grading / update / compile; the task's solution-length distribution in tokens)
+into rollout / grading / update / compile; ``speedup_ceiling``, the most any T-PPO could gain
+over the PPO run on this machine; the task's solution-length distribution in tokens)
 and the matching PNG (held-out accuracy vs training wall-clock).
 
     tppo bench tppo-vs-ppo --seeds 3 --target 60 --budget-s 600
@@ -62,6 +63,10 @@ def summarize_run(run_dir: Path, target: float, slots: int | None = None) -> dic
         "budget_s": _run_budget(run_dir),
         "time_to_target_s": train_time.get(hit["step"]) if hit else None,
         "steps_to_target": hit["step"] if hit else None,
+        # Sample efficiency apart from speed: speedup = PPO's samples to target / T-PPO's x
+        # T-PPO's finished samples per training-second / PPO's.
+        "samples_to_target": (int(sum(f for f, r in zip(fin, steps, strict=True)
+                                      if r["step"] <= hit["step"])) if hit else None),
         "final_eval_accuracy": last.get("eval_accuracy"),
         # The last held-out eval in full: sampled avg@k and pass@k, and greedy.
         "final_eval": {k.removeprefix("eval_"): v for k, v in last.items()
@@ -174,6 +179,7 @@ def run(args: argparse.Namespace) -> dict:
         per["speedup_bounds"] = _speedup_bounds(per["tppo"], per["ppo"])
         per["throughput_ratio"] = _ratio(per["tppo"]["finished_per_s"],
                                          per["ppo"]["finished_per_s"])
+        per["speedup_ceiling"] = speedup_ceiling(per["ppo"])
         results["seeds"][str(seed)] = per
         print(f"seed {seed}: T-PPO {t} s, PPO {p} s, speedup {per['speedup']}, "
               f"throughput ratio {per['throughput_ratio']}")
@@ -228,6 +234,20 @@ def _train_side_by_side(args: argparse.Namespace, L: int, runs: Path) -> None:
     run_jobs(jobs, args.jobs, label="tppo-vs-ppo")
 
 
+def speedup_ceiling(ppo: dict) -> float | None:
+    """The largest time-to-target speedup a T-PPO could have over this PPO run on this
+    machine: PPO's step time over that of a T-PPO whose decode keeps every slot busy (the
+    tokens PPO decoded, in ``occupancy`` of its decode steps) and whose update and grading
+    cost per finished sample no more than PPO's, at PPO's samples to target. Only the
+    rollout's idle slots can be won back, so a run whose update dominates its step caps the
+    speedup near 1 whatever the window: ``(R + U + G) / (R * occupancy + U + G)``."""
+    split, occ = ppo["time_split_s"], ppo.get("occupancy_mean")
+    rest = split["update"] + split["grading"]
+    if not occ or split["rollout"] + rest <= 0:
+        return None
+    return (split["rollout"] + rest) / (split["rollout"] * min(occ, 1.0) + rest)
+
+
 def _speedup_bounds(tppo: dict, ppo: dict) -> list[float | None]:
     """``[low, high]`` bounds on PPO / T-PPO time to target when a run stopped first: a run
     that never reached the target would have taken longer than its last eval's clock.
@@ -268,6 +288,7 @@ def _medians(seeds: dict) -> dict:
         "speedup_bounds": (_median_bounds([s["speedup_bounds"] for s in per])
                            if all("speedup_bounds" in s for s in per) else None),
         "throughput_ratio": med(s["throughput_ratio"] for s in per),
+        "speedup_ceiling": med(s.get("speedup_ceiling") for s in per),
     }
     for key in ("finished_per_s", "useful_tokens_per_s", "occupancy_mean", "train_time_s",
                 "final_eval_accuracy"):

@@ -28,8 +28,10 @@ def test_summary_hand_values(tmp_path):
     assert s["time_split_s"] == {"rollout": 2.0, "grading": pytest.approx(0.2),
                                  "update": 1.0, "compile": 2.0}
     assert s["time_to_target_s"] == 6.0 and s["steps_to_target"] == 2 and s["compiles"] == 3
+    assert s["samples_to_target"] == 6
     assert s["curve"] == [(0.0, 20.0), (6.0, 40.0)]
     assert summarize_run(tmp_path / "a", target=50.0)["time_to_target_s"] is None
+    assert summarize_run(tmp_path / "a", target=50.0)["samples_to_target"] is None
     seeds = {"0": {"tppo": s, "ppo": s, "speedup": 2.0, "throughput_ratio": 3.0},
              "1": {"tppo": s, "ppo": s, "speedup": None, "throughput_ratio": 1.0}}
     med = _medians(seeds)
@@ -128,3 +130,20 @@ def test_summary_records_the_window_the_overrides_gave(tmp_path):
     res = tppo_vs_ppo.run(args)
     assert res["window"] == 8 and res["overrides"] == ["rollout.window=8"]
     assert json.loads((tmp_path / "tppo_vs_ppo_smoke.json").read_text())["window"] == 8
+
+
+def test_speedup_ceiling_hand_values():
+    """PPO spent 240 s decoding at occupancy 0.4 and 360 s updating and grading: a T-PPO that
+    kept every slot busy and updated as cheaply per sample takes 96 + 360 s, so 600 / 456.
+    With no idle slot to win back there is no speedup to have."""
+    from tppo_jax.benchmarks.tppo_vs_ppo import speedup_ceiling
+
+    ppo = lambda occ: {"time_split_s": {"rollout": 240.0, "grading": 10.0,  # noqa: E731
+                                        "update": 350.0, "compile": 5.0}, "occupancy_mean": occ}
+    assert speedup_ceiling(ppo(0.4)) == pytest.approx(600 / 456)
+    assert speedup_ceiling(ppo(1.0)) == pytest.approx(1.0)
+    assert speedup_ceiling(ppo(None)) is None
+    # The paper's 2.5x needs a rollout-bound baseline: R = 3 (U + G) at occupancy 0.2.
+    bound = {"time_split_s": {"rollout": 300.0, "grading": 0.0, "update": 100.0,
+                              "compile": 0.0}, "occupancy_mean": 0.2}
+    assert speedup_ceiling(bound) == pytest.approx(2.5)
