@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Shared body of benchmarks/gpu.sh and benchmarks/tpu.sh: BACKEND (gpu|tpu|cpu) then the
-# arguments of `tppo bench accelerator`. See gpu.sh for the environment it expects.
+# arguments of `tppo bench accelerator`, or of `tppo bench $TPPO_BENCH` when that is set
+# (e.g. TPPO_BENCH=tppo-vs-ppo). See gpu.sh for the environment it expects.
 set -euo pipefail
 want="$1"; shift
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -53,6 +54,7 @@ import tppo_jax.benchmarks.accelerator as m
 assert not m.__file__.startswith(sys.argv[1] + "/"), m.__file__
 PY
 
-# 3. The benchmark (< 5 minutes with compile); results land in <repo>/results unless --out.
-timeout "${TPPO_BENCH_TIMEOUT:-270}" "$vpy" -m tppo_jax.benchmarks.accelerator \
+# 3. The benchmark (accelerator: < 5 minutes with compile); results land in <repo>/results
+# unless --out (the last --out given wins).
+timeout "${TPPO_BENCH_TIMEOUT:-270}" "$vpy" -m tppo_jax.cli bench "${TPPO_BENCH:-accelerator}" \
   --out "$repo/results" "$@"

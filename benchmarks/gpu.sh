@@ -18,4 +18,10 @@
 #  --platform manylinux2014_x86_64 <each dependency in pyproject.toml>` from another OS).
 # The jax wheels in the folder are ignored: the machine's jax satisfies the pin.
 # It runs from a temporary directory so the checkout never shadows the installed package.
+#
+# Any other benchmark runs the same way: TPPO_BENCH names it, TPPO_BENCH_TIMEOUT bounds it.
+# T-PPO vs PPO on the long tail, one seed, where the decode is not the CPU's:
+#
+#   TPPO_BENCH=tppo-vs-ppo TPPO_BENCH_TIMEOUT=560 benchmarks/gpu.sh --config longtail \
+#       --seeds 1 --target 100 --budget-s 120 --eval-every 0 --eval-every-s 20 --out "$OUT"
 exec "$(dirname "$0")/accelerator.sh" "${TPPO_BACKEND:-gpu}" "$@"

@@ -1,5 +1,6 @@
 """benchmarks/gpu.sh end to end on the CPU (TPPO_BACKEND=cpu, --arch tiny): it installs the
-checkout into its own venv, runs from outside the source tree and writes the results JSON."""
+checkout into its own venv, runs from outside the source tree and writes the results JSON;
+with TPPO_BENCH it runs another benchmark (T-PPO vs PPO) the same way."""
 
 import json
 import os
@@ -36,6 +37,19 @@ def test_gpu_script_cpu_path(tmp_path):
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check(json.loads((out / "accelerator_cpu.json").read_text()))
+    # Any benchmark through the same installed venv: T-PPO vs PPO, two steps of the smoke
+    # config (the command gpu.sh gives for the long tail, made small).
+    proc = subprocess.run([str(REPO / "benchmarks" / "gpu.sh"), "--config", "smoke",
+                           "--seeds", "1", "--target", "100", "--max-steps", "2",
+                           "--eval-every", "1", "--out", str(out)],
+                          env=dict(env, TPPO_BENCH="tppo-vs-ppo", TPPO_BENCH_TIMEOUT="600"),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((out / "tppo_vs_ppo_smoke.json").read_text())
+    assert res["config"] == "smoke" and res["window"] == 16 and res["L"] == 64
+    for method in ("tppo", "ppo"):
+        assert res["seeds"]["0"][method]["steps"] == 2, res["seeds"]["0"][method]
+    assert res["seeds"]["0"]["speedup_ceiling"] >= 1.0
 
 
 @pytest.mark.slow  # ~40 s: creates a venv
