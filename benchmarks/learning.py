@@ -66,6 +66,22 @@ def greedy_changes(before: str, after: str) -> dict[str, int]:
     return {"lost": lost, "gained": gained}
 
 
+def paired_se(changed: list[dict[str, list[int]]], n_questions: int) -> float:
+    """Standard error (points) of the greedy accuracy's change, averaged over runs scored on
+    the same ``n_questions``, from each run's ``changed_questions``. The change is a mean
+    over questions of each question's change (-1, 0 or +1 per run, averaged over runs), so
+    its error comes from the questions that moved, not from the ~90% that score the same
+    before and after (an unpaired binomial error counts those too); and a question every
+    seed loses counts as one question, not as independent evidence per seed."""
+    d = [0.0] * n_questions
+    for ch in changed:
+        for i in ch["lost"]:
+            d[i] -= 1.0 / len(changed)
+        for i in ch["gained"]:
+            d[i] += 1.0 / len(changed)
+    return 100.0 * statistics.stdev(d) / math.sqrt(n_questions) if n_questions > 1 else 0.0
+
+
 def changed_questions(before: str, after: str) -> dict[str, list[int]]:
     """The held-out indices behind ``greedy_changes``: whether seeds lose the *same* questions
     (a systematic effect of the reward) or different ones (the update's noise)."""
@@ -103,6 +119,7 @@ def summarize_run(run_dir: Path, k: int, n_questions: int | None = None,
                                                after["greedy_correct_mask"])
         out["greedy_changed_questions"] = changed_questions(before["greedy_correct_mask"],
                                                             after["greedy_correct_mask"])
+        out["se"]["greedy_paired"] = paired_se([out["greedy_changed_questions"]], n_questions)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]
     out["steps"] = len(steps)
@@ -121,6 +138,10 @@ def aggregate(runs: list[dict]) -> dict:
     ch = [r["greedy_changes"] for r in runs if "greedy_changes" in r]
     if ch:
         out["greedy_changes"] = {k: sum(c[k] for c in ch) for k in ("lost", "gained")}
+    paired = [r for r in runs if "greedy_changed_questions" in r]
+    if paired and len(paired) == len(runs) and len({r["questions"] for r in runs}) == 1:
+        out["greedy"]["paired_se"] = paired_se([r["greedy_changed_questions"] for r in runs],
+                                               runs[0]["questions"])
     lost = [q for r in runs for q in r.get("greedy_changed_questions", {}).get("lost", [])]
     if lost:  # question -> how many runs lost it (the same few in every seed: systematic)
         out["greedy_lost_by_question"] = {str(q): lost.count(q) for q in sorted(set(lost))}
@@ -230,6 +251,11 @@ def _print_table(results: dict) -> None:
         ch = r.get("greedy_changes", {})
         print(f"| {name} | {' | '.join(cells)} | {b['steps_valid']:.2f} -> "
               f"{a['steps_valid']:.2f} | {ch.get('lost', '-')} / {ch.get('gained', '-')} |")
+    for group, agg in results["aggregate"].items():
+        g = agg["greedy"]
+        if "paired_se" in g:  # the mean's error from the questions that moved
+            print(f"{group}: greedy {g['mean']:+.1f} ± {g['paired_se']:.1f} (mean over seeds, "
+                  f"paired standard error over questions)")
 
 
 def _plot(results: dict, path: Path) -> None:

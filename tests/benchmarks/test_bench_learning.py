@@ -11,6 +11,7 @@ from tppo_jax.benchmarks.learning import (
     binomial_se,
     greedy_changes,
     meets,
+    paired_se,
     summarize_run,
 )
 
@@ -48,6 +49,19 @@ def test_summarize_run_reads_summary_and_metrics(tmp_path):
     assert agg["greedy_lost_by_question"] == {"1": 2, "2": 2}  # the same two in both runs
     assert meets(agg, avg_gain=15.0, greedy_drop=1.0) == {"avg": True, "pass": True,
                                                          "greedy": False}
+    # Per question the change is 0, -1, -1, +1: sample sd sqrt(2.75 / 3) over sqrt(4).
+    assert r["se"]["greedy_paired"] == pytest.approx(100 * math.sqrt(2.75 / 3) / 2)
+    assert agg["greedy"]["paired_se"] == pytest.approx(r["se"]["greedy_paired"])
+
+
+def test_paired_se_counts_a_question_every_seed_loses_once():
+    """Two seeds each losing one of 100 questions: the same question is one question moved
+    all the way (se 1.0 point), two different ones are two moved halfway (se ~0.70)."""
+    same = [{"lost": [0], "gained": []}, {"lost": [0], "gained": []}]
+    apart = [{"lost": [0], "gained": []}, {"lost": [1], "gained": []}]
+    assert paired_se(same, 100) == pytest.approx(1.0)
+    assert paired_se(apart, 100) == pytest.approx(100 * math.sqrt(0.49 / 99) / 10)
+    assert paired_se([{"lost": [], "gained": []}], 100) == 0.0
 
 
 def test_finished_runs_are_recognised(tmp_path):
