@@ -138,8 +138,8 @@ def aggregate(runs: list[dict]) -> dict:
     ch = [r["greedy_changes"] for r in runs if "greedy_changes" in r]
     if ch:
         out["greedy_changes"] = {k: sum(c[k] for c in ch) for k in ("lost", "gained")}
-    paired = [r for r in runs if "greedy_changed_questions" in r]
-    if paired and len(paired) == len(runs) and len({r["questions"] for r in runs}) == 1:
+    if (all("greedy_changed_questions" in r for r in runs)
+            and len({r["questions"] for r in runs}) == 1):
         out["greedy"]["paired_se"] = paired_se([r["greedy_changed_questions"] for r in runs],
                                                runs[0]["questions"])
     lost = [q for r in runs for q in r.get("greedy_changed_questions", {}).get("lost", [])]
