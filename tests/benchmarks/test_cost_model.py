@@ -1,33 +1,192 @@
-"""The cost model's schedule replay, on hand-computed counts."""
+"""The cost model's schedule replay, unit costs and projection, on hand-computed values."""
+
+import json
 
 import numpy as np
 import pytest
-from tppo_jax.benchmarks.cost_model import accelerator_units, replay, step_costs
+from tppo_jax.benchmarks.cost_model import (
+    Counts,
+    Units,
+    accelerator_units,
+    compare,
+    explain_gap,
+    load_compiled,
+    matmul_params,
+    projection,
+    replay,
+    speedup_at,
+    step_costs,
+)
+
+from tppo_jax.plan import Arch
 
 
 def test_replay_hand_counts_truncated_and_synchronous():
     # One slot, window 2, prompt 1: sample 3 then sample 5 (contexts 1..3 and 1..5).
-    t = replay(np.array([3, 5]), slots=1, window=2, max_len=8, prompt=1)
-    assert t["steps"] == 5 and t["decode_steps"] == 8 and t["useful_tokens"] == 8
-    assert t["finished"] == 2 and t["kv_reads"] == 6 + 15
-    assert t["policy_padded"] == 3 + 4 + 3 + 5 + 6 and t["value_padded"] == 4 + 6
+    t = replay(np.array([3, 5]), slots=1, window=2, max_len=8, prompt=1).total
+    assert t.steps == 5 and t.decode_steps == 8 and t.useful_tokens == 8
+    assert t.finished == 2 and t.kv_reads == 6 + 15
+    assert t.policy_padded == 3 + 4 + 3 + 5 + 6 and t.value_padded == 4 + 6
+    # Attention counts: sum of T (T + 1) over the trained rows.
+    assert t.policy_sq_packed == 3 * 4 + 4 * 5 + 3 * 4 + 5 * 6 + 6 * 7
+    assert t.value_sq_packed == 4 * 5 + 6 * 7
     # Two slots, one window of L: PPO waits for the longest (5) and pads the batch to it.
-    p = replay(np.array([3, 5]), slots=2, window=8, max_len=8, prompt=1)
-    assert p["steps"] == 1 and p["decode_steps"] == 5 and p["kv_reads"] == 21
-    assert p["policy_padded"] == 12 and p["policy_packed"] == 10 and p["value_packed"] == 10
-    unit = {"t_step": 1.0, "t_kv": 0.0, "t_update": 0.5, "t_grade": 2.0}
+    p = replay(np.array([3, 5]), slots=2, window=8, max_len=8, prompt=1).total
+    assert p.steps == 1 and p.decode_steps == 5 and p.kv_reads == 21
+    assert p.policy_padded == 12 and p.policy_packed == 10 and p.value_packed == 10
+    assert p.policy_sq_padded == 2 * 6 * 7 and p.policy_sq_packed == 4 * 5 + 6 * 7
+    unit = Units(t_step=1.0, t_kv=0.0, t_policy=0.5, t_value=0.5, t_attn=0.0, t_reshard=0.0,
+                 t_grade=2.0)
     s = step_costs(p, unit, packed=False)
     assert s["decode"] == 5 and s["update"] == pytest.approx(0.5 * (12 * 4 / 3 + 12))
     assert s["per_finished_sample"] == pytest.approx(s["total"] / 2) and s["grading"] == 4
 
 
-def test_accelerator_units_are_roofline_terms():
-    u = accelerator_units(10**9, 1000, slots=8, chips=2, device="H100", mfu=0.5, bw_eff=1.0,
-                          t_grade=1.0, grader_workers=4)
+def test_step_costs_charge_attention_and_the_reshard_per_step():
+    c = Counts(steps=3, finished=2, policy_packed=10, value_packed=4, policy_sq_packed=60,
+               value_sq_packed=20)
+    u = Units(t_step=0.0, t_kv=0.0, t_policy=1.0, t_value=2.0, t_attn=0.1, t_reshard=5.0,
+              t_grade=0.0)
+    s = step_costs(c, u, packed=True)
+    # policy 10 x 4/3, critic 4 x 2, attention (60 x 4/3 + 20) x 0.1; 3 steps x 5 s reshard.
+    assert s["update"] == pytest.approx(40 / 3 + 8 + 10)
+    assert s["reshard"] == 15 and s["total"] == pytest.approx(40 / 3 + 8 + 10 + 15)
+
+
+def test_steady_state_occupancy_without_the_drain():
+    # Two slots, window 2, queue [2, 4, 2, 2, 2]: w1 runs [2, 2] (slot 0 done, refilled);
+    # w2 runs [2, 2] (both done, refilled with the last two); w3 runs [2, 2]: every window
+    # starts with both slots busy, so all three are steady and nothing drains.
+    r = replay(np.array([2, 4, 2, 2, 2]), slots=2, window=2, max_len=8, prompt=0)
+    assert r.steady.steps == 3 and r.drain.steps == 0
+    assert r.steady.occupancy(2) == 1.0
+    # A long sample at the end of the queue: the drain is the windows with an idle slot.
+    r = replay(np.array([6, 2]), slots=2, window=2, max_len=8, prompt=0)
+    # w1: [6, 2] busy -> work [2, 2] (slot1 done, queue empty); w2, w3: slot 1 idle.
+    assert (r.steady.steps, r.drain.steps) == (1, 2)
+    assert r.steady.occupancy(2) == 1.0 and r.drain.occupancy(2) == 0.5
+    assert r.total.occupancy(2) == pytest.approx(8 / 12)
+
+
+def test_steady_state_at_paper_scale_is_the_issues_047():
+    """At 8192 slots, L = 24k, l = 8k and log-normal lengths (median L/8, sigma 0.9), the
+    steady state holds T-PPO at ~0.47 occupancy and ~2.56x fewer decode steps per sample than
+    PPO; a 4-batch replay counting its drain gave 0.31."""
+    from tppo_jax.benchmarks.cost_model import lognormal_lengths
+
+    lengths = lognormal_lengths(8192 * 8, 3072, 0.9, 24576)
+    u = Units(1.0, 0.0, 1e-6, 1e-6, 0.0, 0.0, 0.0)
+    c = compare(lengths, 8192, 8192, 24576, 512, u, packed=True)
+    assert c["tppo"]["occupancy"] == pytest.approx(0.47, abs=0.01)
+    assert c["decode_step_ratio"] == pytest.approx(2.56, abs=0.05)
+    short = replay(lengths[:8192 * 4], 8192, 8192, 24576, 512).total
+    assert short.occupancy(8192) == pytest.approx(0.31, abs=0.01)
+
+
+def test_projection_is_the_share_formula():
+    ppo = {"decode": 6.0, "total": 10.0, "per_finished_sample": 1.0}
+    tppo = {"decode": 2.0, "total": 6.0, "per_finished_sample": 0.6}
+    p = projection(ppo, tppo)
+    # f = 0.6; r_d = 0.6 / (2/6 * 0.6) = 3; r_u = (4/6 * 0.6) / (0.4 * 1.0) = 1.
+    assert p["f"] == pytest.approx(0.6) and p["r_d"] == pytest.approx(3.0)
+    assert p["r_u"] == pytest.approx(1.0)
+    assert p["speedup"] == pytest.approx(1 / (0.6 / 3 + 0.4 * 1.0)) == pytest.approx(1 / 0.6)
+    assert speedup_at(0.9, 3.0, 1.0) == pytest.approx(1 / 0.4)
+
+
+ARCH = Arch("toy", vocab_size=100, hidden_size=10, intermediate_size=20, num_layers=2,
+            num_heads=2, num_kv_heads=1, head_dim=5, qkv_bias=False, tie_embeddings=False)
+
+
+def test_matmul_params_leave_out_the_embedding_lookup_and_the_critics_lm_head():
+    n = ARCH.n_params
+    # Untied: embedding 100 x 10 (a lookup) and the LM head 10 x 100 (a matmul) each 1000.
+    pol, val = matmul_params(ARCH)
+    assert pol == n - 1000
+    assert val == n - 2000 + 10 + 1  # no LM head; the scalar value head (10 + bias)
+    tied = Arch(**{**ARCH.__dict__, "tie_embeddings": True})
+    pol_t, val_t = matmul_params(tied)
+    assert pol_t == tied.n_params and val_t == tied.n_params - 1000 + 11
+
+
+def test_accelerator_units_are_roofline_terms_with_floor_reshard_and_attention():
+    slots, chips, tp = 8, 4, 2
+    u = accelerator_units(ARCH, slots=slots, chips=chips, device="H100", mfu=0.5, bw_eff=1.0,
+                          t_grade=1.0, grader_workers=4, decode_tp=tp, step_floor_s=0.01,
+                          ici_bw=1e9)
     flops, bw = 989e12, 3.35e12
-    assert u["t_step"] == pytest.approx(max(2e9 / (2 * bw), 2e9 * 8 / (2 * flops * 0.5)))
-    assert u["t_kv"] == pytest.approx(1000 / (2 * bw))
-    assert u["t_update"] == pytest.approx(6e9 / (2 * flops * 0.5)) and u["t_grade"] == 0.25
+    pol, val = matmul_params(ARCH)
+    weights = 2 * pol / (tp * bw)  # each decode replica reads its copy once per step
+    compute = 2 * pol * slots / (chips * flops * 0.5)
+    assert u.t_step == pytest.approx(0.01 + max(weights, compute))
+    kv = 2 * 2 * 1 * 5 * 2
+    assert u.t_kv == pytest.approx(kv / (chips * bw))
+    assert u.t_policy == pytest.approx(6 * pol / (chips * flops * 0.5))
+    assert u.t_value == pytest.approx(6 * val / (chips * flops * 0.5))
+    assert u.t_attn == pytest.approx(6 * 2 * 2 * 5 / (chips * flops * 0.5))
+    # Each chip receives its decode shard (2 pol / tp bytes) less what it holds (tp / chips).
+    assert u.t_reshard == pytest.approx(2 * pol / tp * (1 - tp / chips) / 1e9)
+    assert u.t_grade == 0.25
+
+
+def test_qwen32b_miscounts_match_the_audit():
+    """6 N counted the input embedding (+2.4% on the policy) and an LM head on the critic
+    (+2.4% more); attention is ~9% of the update at the paper's lengths."""
+    from tppo_jax.plan import ARCHITECTURES
+
+    a = ARCHITECTURES["qwen2.5-32b"]
+    pol, val = matmul_params(a)
+    assert a.n_params / pol - 1 == pytest.approx(0.0243, abs=0.001)
+    assert a.n_params / val - 1 == pytest.approx(0.0498, abs=0.001)
+    # A row of 10k tokens: attention 6 layers d T (T + 1) against 6 N_mm T.
+    attn = 6 * a.num_layers * a.num_heads * a.head_dim * 10_000 * 10_001
+    assert attn / (attn + 6 * pol * 10_000) == pytest.approx(0.093, abs=0.002)
+
+
+def test_compiled_units_loader_on_a_hand_json(tmp_path):
+    path = tmp_path / "compiled.json"
+    path.write_text(json.dumps({"config": "toy", "topology": "v5p-8", "programs": {
+        "prefill": {"flops": 1.0, "bytes_accessed": 1.0},
+        "decode_window": {"flops": 8e9, "bytes_accessed": 5e9, "kv_bytes": 1e9, "slots": 16,
+                          "decode_steps": 2, "peak_bytes": 9},
+        "policy_train_step": {"flops": 6e12, "bytes_accessed": 3e9, "tokens": 1000},
+        "value_train_step": {"flops": 3e12, "bytes_accessed": 1e9, "tokens": 1000}}}))
+    c = load_compiled(path)
+    assert c.decode_flops_per_token == 8e9 / (2 * 16)
+    assert c.decode_bytes_per_step == (5e9 - 1e9) / 2
+    assert c.update_flops_per_token == 6e9 and c.update_bytes_per_token == 3e6
+    assert c.value_flops_per_token == 3e9 and c.value_bytes_per_token == 1e6
+    u = accelerator_units(ARCH, slots=16, chips=4, device="H100", mfu=0.5, bw_eff=1.0,
+                          t_grade=0.0, grader_workers=1, compiled=c, reshard_s=0.0)
+    flops, bw = 989e12, 3.35e12
+    assert u.t_step == pytest.approx(max(2e9 / bw, 8e9 / 32 * 16 / (flops * 0.5)))
+    assert u.t_policy == pytest.approx(max(6e9 / (flops * 0.5), 3e6 / bw))
+    assert u.t_value == pytest.approx(3e9 / (flops * 0.5)) and u.t_attn == 0.0
+
+
+def test_compiled_loader_rejects_a_file_without_the_programs(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"programs": {"prefill": {"flops": 1, "bytes_accessed": 1}}}))
+    with pytest.raises(SystemExit, match="needs a \\*decode\\*"):
+        load_compiled(path)
+    path.write_text(json.dumps({"programs": {"decode": {"flops": 1, "bytes_accessed": 1},
+                                             "train": {"flops": 1, "bytes_accessed": 1}}}))
+    with pytest.raises(SystemExit, match="lacks"):
+        load_compiled(path)
+
+
+def test_gap_swaps_in_one_measured_term_at_a_time():
+    pred = {"projection": {"f": 0.4, "r_d": 2.0, "r_u": 1.2, "speedup": speedup_at(0.4, 2, 1.2)}}
+    meas = {"projection": {"f": 0.4, "r_d": 1.5, "r_u": 1.5, "speedup": speedup_at(0.4, 1.5,
+                                                                                    1.5)}}
+    for m in ("tppo", "ppo"):
+        pred[m] = {"seconds": {"decode": 1.0, "update": 1.0, "grading": 0.0},
+                   "counts": {"finished": 1}}
+        meas[m] = {"decode": 1.0, "update": 1.0, "grading": 0.0}
+    g = explain_gap(pred, meas)
+    assert g["with_measured_r_d"] == pytest.approx(1 / (0.4 / 1.5 + 0.6 * 1.2))
+    assert g["with_measured_r_u"] == pytest.approx(1 / (0.4 / 2 + 0.6 * 1.5))
+    assert g["with_measured_f"] == pytest.approx(pred["projection"]["speedup"])
 
 
 def test_cpu_check_replays_the_window_the_measured_run_had(tmp_path):
