@@ -201,3 +201,30 @@ def test_cpu_check_replays_the_window_the_measured_run_had(tmp_path):
     assert run_window(run, 128) == 128
     (run / "config.yaml").write_text(load_config("longtail", ["rollout.window=64"]).to_yaml())
     assert run_window(run, 128) == 64
+
+
+def test_paper_scale_takes_its_units_from_a_compiled_json(tmp_path):
+    """``--compiled`` feeds the projection: the units name the file and carry its FLOPs
+    (attention inside the compiled update, so no separate attention term)."""
+    import argparse
+
+    from tppo_jax.benchmarks.cost_model import add_args, paper_scale
+
+    from tppo_jax.plan import ARCHITECTURES
+
+    path = tmp_path / "compiled.json"
+    path.write_text(json.dumps({"programs": {
+        "decode": {"flops": 2 * 32e9 * 64 / 4, "bytes_accessed": 64e9 / 4, "slots": 64},
+        "policy_update": {"flops": 6 * 32e9 * 1000 / 4, "bytes_accessed": 1e9, "tokens": 1000}}}))
+    p = argparse.ArgumentParser()
+    add_args(p)
+    args = p.parse_args(["--prompts", "8", "--group", "8", "--chips", "4", "--batches", "4",
+                         "--L", "256", "--l", "64", "--prompt-len", "16",
+                         "--compiled", str(path)])
+    out = paper_scale(args, ARCHITECTURES["qwen2.5-32b"], t_grade=0.0, sample_ratio=1.0)
+    assert out["units_from"] == str(path) and out["units"]["t_attn"] == 0.0
+    flops = 459e12 * 0.4
+    assert out["units"]["t_policy"] == pytest.approx(6 * 32e9 / 4 / flops)
+    h = out["headline"]
+    assert h["speedup"] == pytest.approx(1 / (h["f"] / h["r_d"] + (1 - h["f"]) * h["r_u"]))
+    assert [s["f"] for s in out["published_shares"]] == [0.41, 0.50, 0.70, 0.60, 0.64]
