@@ -203,42 +203,63 @@ class Compiled:
     value_bytes_per_token: float | None = None
 
 
+def _program_role(name: str, rec: dict) -> str | None:
+    """Which unit cost a compiled program gives: ``decode`` (a rollout window), ``policy`` or
+    ``value`` (an update's forward + backward); None for the rest (prefill, targets, eval,
+    optimizer applies)."""
+    n, kind = name.lower(), str(rec.get("kind", "")).lower()
+    if "apply" in n or "prefill" in n or "eval" in n or "targets" in n:
+        return None
+    if "decode" in n or (kind == "rollout" and "window" in n):
+        return "decode"
+    if kind == "value_update" or "value" in n or "critic" in n:
+        return "value"
+    if kind == "policy_update" or any(s in n for s in ("policy", "train", "update")):
+        return "policy"
+    return None
+
+
 def load_compiled(path: Path) -> Compiled:
     """Unit FLOPs and bytes from a compile-path JSON (``results/compiled_<config>_<topology>
-    .json``). It needs ``programs``: a mapping of program name to ``{"flops",
-    "bytes_accessed"}`` per chip (what XLA's cost analysis reports for an SPMD program) and
-    what the program covers: a program named ``*decode*`` gives ``slots`` (and
-    ``decode_steps``, default 1: XLA counts a loop body once, so a decode window's cost is one
-    step) and optionally ``kv_bytes`` (its cache read, subtracted: the replay charges the live
-    prefix instead); a ``*policy*`` / ``*train*`` / ``*update*`` program and optionally a
-    ``*value*`` / ``*critic*`` one give ``tokens`` trained (forward + backward, attention
-    inside). Other keys and programs are ignored."""
+    .json``, ``tppo_jax.compile``). Its ``programs`` (a list of records with ``name`` and
+    ``kind``, or a mapping of name to record) carry ``flops`` and ``bytes_accessed`` per
+    chip (XLA's cost analysis of an SPMD program) and what the program covers. Used: the
+    decode window (``rollout_window[...]`` / ``*decode*``: ``slots``, optional
+    ``decode_steps``, default 1 as XLA counts a loop body once, and ``kv_bytes``, its cache
+    read, subtracted since the replay charges the live prefix) and the policy and value
+    updates (``policy_update[w=...]`` / ``value_update[...]``: ``tokens``, or ``rows x
+    width``; the width buckets summed: FLOPs over tokens across them, attention inside).
+    Programs that did not compile, and the rest, are skipped."""
     try:
         progs = json.loads(Path(path).read_text())["programs"]
+        recs = (list(progs.items()) if isinstance(progs, dict)
+                else [(p["name"], p) for p in progs])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path}: not a compiled-programs JSON ({e})") from None
+    roles: dict[str, list[dict]] = {}
+    for name, rec in recs:
+        role = _program_role(name, rec)
+        if role and rec.get("compiled", True):
+            roles.setdefault(role, []).append(rec)
+    if "decode" not in roles or "policy" not in roles:
+        raise SystemExit(f"{path}: needs a compiled *decode* (rollout window) and a "
+                         f"policy/train/update program; has {sorted(n for n, _ in recs)}")
 
-    def find(*names: str) -> dict | None:
-        return next((p for n, p in progs.items()
-                     if any(s in n.lower() for s in names)), None)
+    def per_token(rs: list[dict]) -> tuple[float, float]:
+        tokens = sum(r["tokens"] if "tokens" in r else r["rows"] * r["width"] for r in rs)
+        return (sum(float(r["flops"]) for r in rs) / tokens,
+                sum(float(r["bytes_accessed"]) for r in rs) / tokens)
 
-    dec = find("decode")
-    upd = find("value", "critic")
-    pol = next((p for n, p in progs.items() if any(s in n.lower() for s in
-               ("policy", "train", "update")) and not any(s in n.lower() for s in
-               ("value", "critic"))), None)
-    if dec is None or pol is None:
-        raise SystemExit(f"{path}: needs a *decode* and a *policy*/*train*/*update* program; "
-                         f"has {sorted(progs)}")
     try:
+        dec = roles["decode"][0]
         steps = dec.get("decode_steps", 1)
-        dec_tok = float(dec["flops"]) / (steps * dec["slots"])
-        dec_bytes = (float(dec["bytes_accessed"]) - dec.get("kv_bytes", 0)) / steps
-        out = Compiled(str(path), dec_tok, dec_bytes, float(pol["flops"]) / pol["tokens"],
-                       float(pol["bytes_accessed"]) / pol["tokens"])
-        if upd is not None:
-            out = replace(out, value_flops_per_token=float(upd["flops"]) / upd["tokens"],
-                          value_bytes_per_token=float(upd["bytes_accessed"]) / upd["tokens"])
+        pol_f, pol_b = per_token(roles["policy"])
+        out = Compiled(str(path), float(dec["flops"]) / (steps * dec["slots"]),
+                       (float(dec["bytes_accessed"]) - dec.get("kv_bytes", 0)) / steps,
+                       pol_f, pol_b)
+        if "value" in roles:
+            val_f, val_b = per_token(roles["value"])
+            out = replace(out, value_flops_per_token=val_f, value_bytes_per_token=val_b)
     except (KeyError, TypeError, ZeroDivisionError) as e:
         raise SystemExit(f"{path}: program entry lacks {e}") from None
     return out

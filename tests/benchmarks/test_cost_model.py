@@ -164,10 +164,39 @@ def test_compiled_units_loader_on_a_hand_json(tmp_path):
     assert u.t_value == pytest.approx(3e9 / (flops * 0.5)) and u.t_attn == 0.0
 
 
+def test_compiled_units_loader_reads_the_compile_paths_program_list(tmp_path):
+    """``tppo_jax.compile``'s records: a list with ``kind``; update buckets as rows x width,
+    summed; prefill, targets, optimizer applies and uncompiled programs skipped."""
+    path = tmp_path / "compiled_toy_v5p-8.json"
+    progs = [
+        {"name": "targets_finish", "kind": "targets", "rows": 8, "width": 64, "flops": 1.0,
+         "bytes_accessed": 1.0, "compiled": True},
+        {"name": "policy_update[w=32]", "kind": "policy_update", "rows": 4, "width": 32,
+         "flops": 1e6, "bytes_accessed": 1e4, "compiled": True},
+        {"name": "policy_update[w=64]", "kind": "policy_update", "rows": 2, "width": 64,
+         "flops": 3e6, "bytes_accessed": 3e4, "compiled": True},
+        {"name": "policy_update[w=128]", "kind": "policy_update", "rows": 1, "width": 128,
+         "compiled": False, "fits_alone": False},
+        {"name": "policy_apply", "kind": "policy_apply", "flops": 9e9, "bytes_accessed": 9e9,
+         "compiled": True},
+        {"name": "value_update[w=32]", "kind": "value_update", "rows": 4, "width": 32,
+         "flops": 5e5, "bytes_accessed": 2e3, "compiled": True},
+        {"name": "rollout_prefill[w=96]", "kind": "rollout", "slots": 8, "width": 96,
+         "flops": 7.0, "bytes_accessed": 7.0, "compiled": True},
+        {"name": "rollout_window[l=16]", "kind": "rollout", "slots": 8, "window": 16,
+         "flops": 8e4, "bytes_accessed": 5e5, "compiled": True}]
+    path.write_text(json.dumps({"config": "toy", "programs": progs}))
+    c = load_compiled(path)
+    assert c.update_flops_per_token == pytest.approx(4e6 / 256)
+    assert c.update_bytes_per_token == pytest.approx(4e4 / 256)
+    assert c.value_flops_per_token == pytest.approx(5e5 / 128)
+    assert c.decode_flops_per_token == 1e4 and c.decode_bytes_per_step == 5e5
+
+
 def test_compiled_loader_rejects_a_file_without_the_programs(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"programs": {"prefill": {"flops": 1, "bytes_accessed": 1}}}))
-    with pytest.raises(SystemExit, match="needs a \\*decode\\*"):
+    with pytest.raises(SystemExit, match="needs a compiled \\*decode\\*"):
         load_compiled(path)
     path.write_text(json.dumps({"programs": {"decode": {"flops": 1, "bytes_accessed": 1},
                                              "train": {"flops": 1, "bytes_accessed": 1}}}))
