@@ -320,6 +320,9 @@ def compare(lengths: np.ndarray, slots: int, window: int, max_len: int, prompt: 
     per: dict = {}
     for name, w in (("tppo", window), ("ppo", max_len)):
         rp = replay(lengths, slots, w, max_len, prompt)
+        if not rp.steady.finished:
+            raise SystemExit(f"{len(lengths)} samples over {slots} slots leave no steady-state "
+                             f"window for l = {w}: replay more batches")
         per[name] = {"counts": asdict(rp.steady), "seconds": step_costs(rp.steady, unit, packed),
                      "occupancy": rp.steady.occupancy(slots),
                      "drain": {"counts": asdict(rp.drain),

@@ -83,6 +83,12 @@ def test_steady_state_at_paper_scale_is_the_issues_047():
     assert short.occupancy(8192) == pytest.approx(0.31, abs=0.01)
 
 
+def test_a_replay_too_short_for_a_steady_state_is_refused():
+    u = Units(1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0)
+    with pytest.raises(SystemExit, match="no steady-state window"):
+        compare(np.array([4]), slots=2, window=2, max_len=8, prompt=0, unit=u, packed=True)
+
+
 def test_projection_is_the_share_formula():
     ppo = {"decode": 6.0, "total": 10.0, "per_finished_sample": 1.0}
     tppo = {"decode": 2.0, "total": 6.0, "per_finished_sample": 0.6}
