@@ -243,6 +243,10 @@ class MeshConfig:
     # Weights for rollout decode: "train" uses the training layout as is; "decode" reshards
     # a copy after every update to tensor-only splitting (no FSDP gathers per token).
     decode_layout: Literal["train", "decode"] = "train"
+    # With decode_layout: decode, the chips of one tensor-parallel decode replica: rollout
+    # and eval run on their own mesh (data = devices / decode_tensor, tensor = decode_tensor)
+    # over the same devices. 0 = the training mesh's own tensor axis.
+    decode_tensor: int = 0
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,7 @@ RANGES: dict[str, Range] = {
     "reward.verify_timeout_s": Range(1),  # whole seconds (SIGALRM)
     "reward.max_tasks_per_child": POSITIVE, "reward.crash_retries": NON_NEGATIVE,
     "mesh.data": MESH_AXIS, "mesh.fsdp": MESH_AXIS, "mesh.tensor": MESH_AXIS,
+    "mesh.decode_tensor": NON_NEGATIVE,  # 0 = decode on the training mesh
     "checkpoint.every": NON_NEGATIVE,  # 0 = only the last step
     "checkpoint.keep": POSITIVE,
     "logging.samples_per_step": NON_NEGATIVE,
@@ -321,3 +322,15 @@ def _check_layout(cfg: Config, num_devices: int | None, num_processes: int) -> N
                 f"slots ({r.slots}) not divisible by the data-parallel size "
                 f"mesh.data*mesh.fsdp = {dp}"
             )
+    if m.decode_tensor:
+        if m.decode_layout != "decode":
+            raise ConfigError(f"mesh.decode_tensor={m.decode_tensor} needs "
+                              "mesh.decode_layout=decode (it lays out the decode copy)")
+        if num_devices is not None:
+            if num_devices % m.decode_tensor:
+                raise ConfigError(f"mesh.decode_tensor={m.decode_tensor} does not divide the "
+                                  f"{num_devices} devices into tensor-parallel replicas")
+            replicas = num_devices // m.decode_tensor
+            if r.slots % replicas:
+                raise ConfigError(f"slots ({r.slots}) not divisible by the {replicas} decode "
+                                  f"replicas (devices / mesh.decode_tensor)")

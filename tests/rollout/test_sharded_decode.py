@@ -3,10 +3,11 @@ and decode (tensor-parallel) layouts by an explicit reshard."""
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
-from tppo_jax.models.transformer import ModelConfig, create_model
-from tppo_jax.parallel.mesh import layout_rules, make_mesh, named_sharding, reshard
+from tppo_jax.models.transformer import ModelConfig, create_model, param_shardings
+from tppo_jax.parallel.mesh import decode_mesh, layout_rules, make_mesh, named_sharding, reshard
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.engine import DecodeEngine
 
@@ -54,3 +55,31 @@ def test_reshard_train_to_decode_layout(devices8):
     assert gate_after.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
     for a, b in zip(jax.tree.leaves(values), jax.tree.leaves(moved), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_decode_mesh_splits_devices_into_tensor_parallel_replicas(devices8):
+    train = make_mesh({"fsdp": 8})
+    dmesh = decode_mesh(train, 2)
+    assert dict(dmesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert list(dmesh.devices.flat) == list(train.devices.flat)  # same chips, regrouped
+    with pytest.raises(ValueError, match="does not divide the 8 devices"):
+        decode_mesh(train, 3)
+
+
+def test_decode_on_replicas_equals_the_training_layout(devices8):
+    """FSDP over 8 chips for training; decode on 4 replicas of 2 tensor-parallel chips after
+    one reshard: the same greedy tokens and log-probs."""
+    train = make_mesh({"fsdp": 8})
+    model = create_model(CFG, seed=0, mesh=train)
+    want = _decode(model, train)
+    dmesh = decode_mesh(train, 2)
+    state = nnx.state(model)
+    moved = reshard(nnx.to_pure_dict(state),
+                    nnx.to_pure_dict(param_shardings(state, dmesh, rules=layout_rules("decode"))))
+    gate = moved["backbone"]["layers"][0]["mlp"]["gate"]
+    assert gate.sharding.mesh.shape["tensor"] == 2
+    assert gate.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+    nnx.replace_by_pure_dict(state, moved)
+    got = _decode(nnx.merge(nnx.graphdef(model), state), dmesh)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], atol=1e-5)

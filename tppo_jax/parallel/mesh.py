@@ -140,6 +140,17 @@ def reshard(tree, shardings):
     return jax.device_put(tree, shardings)
 
 
+def decode_mesh(mesh: Mesh, tensor: int) -> Mesh:
+    """The rollout's mesh over ``mesh``'s devices: replicas of ``tensor`` chips split the
+    weights over ``tensor`` and the decode slots over ``data`` (``devices / tensor``
+    replicas). Consecutive devices form a replica, so a replica stays within a host."""
+    devices = list(mesh.devices.flat)
+    if tensor < 1 or len(devices) % tensor:
+        raise ValueError(f"mesh.decode_tensor={tensor} does not divide the {len(devices)} "
+                         "devices into tensor-parallel replicas")
+    return make_mesh({"data": len(devices) // tensor, "tensor": tensor}, devices)
+
+
 def layout_rules(kind: str) -> dict[str, str | tuple[str, ...] | None]:
     """Rule tables for the two layouts a run moves weights between.
 

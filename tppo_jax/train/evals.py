@@ -24,7 +24,7 @@ def heldout_eval(run: Run, state: TrainState, *, live: bool = False) -> dict[str
         state = evaluated(state, run.cfg)
     p = run_protocol(run.cfg)
     kw = dict(max_prompt_len=run.cfg.rollout.max_prompt_len, max_response_len=p.max_tokens,
-              mesh=run.mesh, engines=run.eval_engines)
+              mesh=run.decode_mesh, engines=run.eval_engines)
     k, tok = p.samples, run.models.tokenizer
     sampled = evaluate(policy_module(run, state), tok, run.eval_rows, run.encode, run.grader,
                        k=k, sampling=p.sampling, seed=p.seed, **kw)

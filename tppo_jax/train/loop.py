@@ -41,7 +41,7 @@ from tppo_jax.train.batch import critic_update, init_value_bias, update_batch
 from tppo_jax.train.collect import Rollout, collect
 from tppo_jax.train.ema import step_ema
 from tppo_jax.train.evals import eval_before, heldout_eval
-from tppo_jax.train.policy_view import policy_module
+from tppo_jax.train.policy_view import Reshard, timed_policy_module
 from tppo_jax.train.resume import checkpoint_meta, checkpoint_trees
 from tppo_jax.train.run_dir import mirror
 from tppo_jax.train.setup import Run, setup
@@ -169,6 +169,7 @@ class Update:
     c_upd: float
     t_update: float
     skipped_in_a_row: int  # consecutive steps with a skipped (non-finite) update
+    reshard: Reshard | None = None  # the policy's move to the decode layout (None: none)
 
 
 _advantage_mass = jax.jit(algo.advantage_mass)
@@ -225,12 +226,13 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
                     fns.watch.sizes())
     state = step_ema(dataclasses.replace(state, policy=policy, value=value, policy_opt=opt_p,
                                          value_opt=opt_v, step=step + 1), cfg)
-    sched.set_policy(policy_module(run, state), step + 1)
+    policy_view, moved = timed_policy_module(run, state)
+    sched.set_policy(policy_view, step + 1)
     if "group_prior_n" in train_batch:  # the siblings later steps' baselines read
         sched.record_outcomes(rb.group_id, roll.reward, rb.finished)
     sched.release_finished(rb.finished)
     return state, Update(pstats, vstats, width, nrows, cells, v_cells, n_comp, c_upd, t_update,
-                         skipped_in_a_row)
+                         skipped_in_a_row, moved)
 
 
 def log_step(run: Run, state: TrainState, roll: Rollout, upd: Update,
@@ -274,6 +276,8 @@ def log_step(run: Run, state: TrainState, roll: Rollout, upd: Update,
         "policy_cells": upd.policy_cells,
         "value_cells": upd.value_cells,
         **{f"compiled_shapes_{k}": v for k, v in watch.sizes().items()},
+        **({"reshard_s": upd.reshard.seconds, "reshard_gb": upd.reshard.bytes / 1e9}
+           if upd.reshard is not None else {}),
         "tokens_per_s": tot["tokens"] / max(time.time() - t0, 1e-9),
         "train_time_s": train_time + (time.time() - t0),
     })

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, NamedTuple
 
+import jax
 from flax import nnx
 
 from tppo_jax.parallel.mesh import reshard
@@ -16,7 +18,24 @@ if TYPE_CHECKING:
 def policy_module(run: Run, state: TrainState) -> nnx.Module:
     """The policy for rollout and eval: the trained params, or (decode layout) a copy moved
     to the decode shardings by one explicit reshard."""
-    params = state.policy
-    if run.decode_shardings is not None:
-        params = reshard(params, run.decode_shardings)
-    return nnx.merge(run.models.policy_def, params)
+    return timed_policy_module(run, state)[0]
+
+
+class Reshard(NamedTuple):
+    """One move of the policy into the decode layout: its wall time (until the copy is
+    on the devices) and the bytes of the copy."""
+
+    seconds: float
+    bytes: int
+
+
+def timed_policy_module(run: Run, state: TrainState) -> tuple[nnx.Module, Reshard | None]:
+    """``policy_module``, and with a decode layout how long its reshard took and how many
+    bytes it copied (``None`` in the training layout: nothing moves)."""
+    if run.decode_shardings is None:
+        return policy_module(run, state), None
+    t0 = time.perf_counter()
+    params = jax.block_until_ready(reshard(state.policy, run.decode_shardings))
+    moved = Reshard(time.perf_counter() - t0,
+                    sum(x.nbytes for x in jax.tree.leaves(params)))
+    return nnx.merge(run.models.policy_def, params), moved

@@ -29,7 +29,7 @@ from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.parallel.mesh import layout_rules, make_mesh
+from tppo_jax.parallel.mesh import decode_mesh, layout_rules, make_mesh
 from tppo_jax.rewards.grader import MathGrader
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
@@ -90,7 +90,8 @@ class Run:
 
     cfg: Config
     rd: RunDir  # the run dir: rd.local (a bucket run's local staging copy)
-    mesh: Any
+    mesh: Any  # the training mesh
+    decode_mesh: Any  # rollout's and eval's: ``mesh`` unless mesh.decode_tensor is set
     models: Models  # tokenizer and graph defs (the params live in TrainState)
     train_rows: list[MathExample]
     eval_rows: list[MathExample]
@@ -150,12 +151,13 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
     progress = progress and cfg.logging.progress
     m, r = cfg.mesh, cfg.rollout
     mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
+    dmesh = decode_mesh(mesh, m.decode_tensor) if m.decode_tensor else mesh
     models = load_models(cfg, rd.local, progress, mesh)
     train_rows, eval_rows, encode = prompt_rows(cfg, models.tokenizer)
     pipeline = PromptPipeline(train_rows, batch_size=1, seed=cfg.data.seed,
                               shard_index=jax.process_index(), shard_count=jax.process_count())
-    run = Run(cfg, rd, mesh, models, train_rows, eval_rows, encode, pipeline,
-              SamplingParams(r.temperature, r.top_p, r.top_k), decode_shardings(cfg, models, mesh),
+    run = Run(cfg, rd, mesh, dmesh, models, train_rows, eval_rows, encode, pipeline,
+              SamplingParams(r.temperature, r.top_p, r.top_k), decode_shardings(cfg, models, dmesh),
               ckpt, progress)
     tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim,
                           decay_steps=cfg.optim.policy_lr_decay_steps)
@@ -209,7 +211,7 @@ def make_scheduler(run: Run, state: TrainState, *, window: int | None = None,
     return TruncatedRolloutScheduler(
         policy_module(run, state), prompts, run.encode, r, eos_ids=run.models.tokenizer.eos_ids,
         sampling=run.sampling, seed=run.cfg.train.seed if seed is None else seed,
-        mesh=run.mesh)
+        mesh=run.decode_mesh)
 
 
 def build_steps(run: Run, state: TrainState, tx_p: Any, tx_v: Any) -> Steps:
