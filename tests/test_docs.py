@@ -78,6 +78,7 @@ def test_readme_is_short_and_states_the_ci_test_command():
     assert TEST_COMMAND in text
     ci = (ROOT / ".ci" / "run").read_text()
     assert TEST_COMMAND in ci, "CI no longer runs the README's test command"
+    assert ".venv/bin/ruff check ." in ci, "CI no longer lints"
 
 
 def _anchors(page: Path) -> set[str]:
