@@ -502,7 +502,7 @@ def read_config_text(path: Path) -> str:
 
 
 def configs_dir() -> Path:
-    """The shipped configs (``configs/`` in a checkout, ``tppo_jax.configs`` when installed)."""
+    """The shipped configs: the ``tppo_jax.configs`` package folder (``configs/`` links to it)."""
     import tppo_jax.configs as pkg
 
     return Path(pkg.__file__).parent

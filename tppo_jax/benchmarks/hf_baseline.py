@@ -23,8 +23,9 @@ def available() -> str | None:
 
 def _model(arch: str, dtype: str):
     import torch
-    from tppo_jax.benchmarks.intensity import ARCHS
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from tppo_jax.benchmarks.intensity import ARCHS
 
     a = ARCHS[arch]
     cfg = Qwen2Config(vocab_size=a.vocab_size, hidden_size=a.hidden_size,

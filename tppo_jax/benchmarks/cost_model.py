@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
+
 from tppo_jax.benchmarks.accelerator import PEAKS
 
 # The targets pass (old log-probs and values before the update) as a share of one forward +

@@ -95,6 +95,7 @@ def decode_section(model, cfg, args) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
+
     from tppo_jax.benchmarks import xla_cost
 
     b, p, new = args.batch, args.prompt_len, args.new_tokens
@@ -146,8 +147,8 @@ def compile_train_step(model, kind: str, batch_size: int, seq: int):
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-    from tppo_jax.benchmarks import xla_cost
 
+    from tppo_jax.benchmarks import xla_cost
     from tppo_jax.config import AlgoConfig, OptimConfig
     from tppo_jax.train.step import (
         StepConfig,
@@ -188,6 +189,7 @@ def compile_train_step(model, kind: str, batch_size: int, seq: int):
 def train_section(model, kind: str, args) -> dict:
     """Compiles, analyses and times one policy or value optimizer step."""
     import jax
+
     from tppo_jax.benchmarks import xla_cost
 
     tb, tl = args.train_batch, args.train_len
@@ -207,8 +209,8 @@ def train_section(model, kind: str, args) -> dict:
 def run(args: argparse.Namespace) -> dict:
     import jax
     from flax import nnx
-    from tppo_jax.benchmarks.intensity import ARCHS
 
+    from tppo_jax.benchmarks.intensity import ARCHS
     from tppo_jax.models.transformer import create_model
     from tppo_jax.models.value import ValueModel
 

@@ -4,7 +4,9 @@
 # (e.g. TPPO_BENCH=tppo-vs-ppo). See gpu.sh for the environment it expects.
 set -euo pipefail
 want="$1"; shift
-repo="$(cd "$(dirname "$0")/.." && pwd)"
+# The checkout's root: the first folder above this script that holds pyproject.toml (the
+# script is tppo_jax/benchmarks/accelerator.sh, also reached through the benchmarks/ link).
+repo="$(cd "$(dirname "$0")" && while [[ ! -f pyproject.toml && "$PWD" != / ]]; do cd ..; done; pwd)"
 py="${PYTHON:-python3}"
 venv="${TPPO_ACCEL_VENV:-$repo/.venv-accel}"
 wheels="${TPPO_WHEELS:-$repo/wheels}"

@@ -33,7 +33,6 @@ def graded_batches(cfg, tok, model, examples, encode, window: int, n: int, skip:
     slots hold continuing rows of every age, as in training), graded:
     ``[(rb, reward, correct)]``."""
     from tppo_jax.benchmarks.prefill_width import make_scheduler
-
     from tppo_jax.rewards.grader import MathGrader
 
     grader = MathGrader.from_config(cfg.reward, cfg.data.format)
@@ -88,8 +87,8 @@ def update_setup(args: argparse.Namespace) -> tuple:
     rollout windows to time (``graded_batches``)."""
     import jax
     from flax import nnx
-    from tppo_jax.benchmarks.prefill_width import warm_started
 
+    from tppo_jax.benchmarks.prefill_width import warm_started
     from tppo_jax.models.value import ValueModel
     from tppo_jax.parallel.mesh import make_mesh
     from tppo_jax.train.step import make_optimizer

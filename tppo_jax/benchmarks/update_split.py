@@ -146,7 +146,6 @@ def _summary(res: dict, cells: dict, timed_compiles: int) -> dict:
 def run(args: argparse.Namespace) -> dict:
     from tppo_jax.benchmarks.prefill_width import write_result
     from tppo_jax.benchmarks.update_groups import update_setup
-
     from tppo_jax.train.state import commit_to_mesh
 
     cfg, mesh, models, txs, make_batches = update_setup(args)
