@@ -529,7 +529,10 @@ def _base_path(base: Any, child: Path) -> Path:
     for cand in (child.parent / base, child.parent / f"{base}.yaml"):
         if cand.is_file():
             return cand
-    return resolve_config_path(base)
+    try:
+        return resolve_config_path(base)
+    except ConfigError as e:
+        raise ConfigError(f"{child}: 'base': {e}") from None
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -66,7 +66,7 @@ def test_a_base_can_be_a_path(tmp_path: Path) -> None:
     ({"a": "base: b\n", "b": "base: a\n"}, r"'base' chain loops \(a.yaml -> b.yaml -> a.yaml\)"),
     ({"a": "base: a\n"}, r"loops \(a.yaml -> a.yaml\)"),
     ({"a": "base: 3\n"}, "'base' must name a config"),
-    ({"a": "base: nowhere\n"}, "config file 'nowhere' not found"),
+    ({"a": "base: nowhere\n"}, r"a.yaml: 'base': config file 'nowhere' not found"),
 ])
 def test_bad_bases_are_refused_in_one_line(tmp_path: Path, files: dict, needle: str) -> None:
     for name, text in files.items():
