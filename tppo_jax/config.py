@@ -25,7 +25,8 @@ from tppo_jax.config_checks import ConfigError, quote, quote_name, validate
 __all__ = ["AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
            "LoggingConfig", "MeshConfig", "ModelSettings", "OptimConfig", "RewardConfig",
            "RolloutConfig", "TrainConfig", "configs_dir", "from_dict", "load_config",
-           "parse_override", "resolve_config_path", "safe_load_yaml", "validate"]
+           "parse_override", "read_config_file", "resolve_config_path", "safe_load_yaml",
+           "validate"]
 
 
 @dataclass(frozen=True)
@@ -432,27 +433,46 @@ MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; anything near this is not o
 
 
 class _NoAliasLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` without aliases: ``*name`` repeats a node, and repeats of repeats
-    (a "billion laughs") grow a few hundred bytes into gigabytes. No config needs them."""
+    """``yaml.SafeLoader`` without aliases and without duplicate keys. ``*name`` repeats a
+    node, and repeats of repeats (a "billion laughs") grow a few hundred bytes into gigabytes;
+    no config needs them. A key given twice in one mapping (two ``rollout:`` sections) would
+    silently keep only the second."""
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise _AliasRefused(f"line {event.start_mark.line + 1}: YAML aliases "
-                                f"({quote('*' + str(event.anchor), 20)}) are not supported")
+            raise _YamlRefused(f"line {event.start_mark.line + 1}: YAML aliases "
+                               f"({quote('*' + str(event.anchor), 20)}) are not supported")
         return super().compose_node(parent, index)
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in first:
+                        raise _YamlRefused(f"duplicate key {quote_name(str(key))} at lines "
+                                           f"{first[key]} and {line}")
+                    first[key] = line
+                except TypeError:  # an unhashable key: the base class refuses it
+                    continue
+        return super().construct_mapping(node, deep=deep)
 
-class _AliasRefused(Exception):
+
+class _YamlRefused(Exception):
     pass
 
 
 def safe_load_yaml(text: str, where: str) -> Any:
-    """``yaml.safe_load`` with aliases refused; any failure is a one-line ``ConfigError``
-    that starts with ``where`` (the file, or the override's key)."""
+    """``yaml.safe_load`` with aliases and duplicate keys refused; any failure is a one-line
+    ``ConfigError`` that starts with ``where`` (the file, or the override's key)."""
     try:
         return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
-    except _AliasRefused as e:
+    except _YamlRefused as e:
         raise ConfigError(f"{where}: {e}") from None
     except (yaml.YAMLError, ValueError, RecursionError) as e:
         # ReaderError (e.g. a NUL byte) has no .problem; ValueError: an int over Python's
@@ -486,7 +506,7 @@ def read_config_text(path: Path) -> str:
 
 
 def configs_dir() -> Path:
-    """The shipped configs (``configs/`` in a checkout, ``tppo_jax.configs`` when installed)."""
+    """The shipped configs: the ``tppo_jax.configs`` package folder (``configs/`` links to it)."""
     import tppo_jax.configs as pkg
 
     return Path(pkg.__file__).parent
@@ -504,15 +524,51 @@ def resolve_config_path(name: str | Path) -> Path:
                       f"(shipped configs: {', '.join(known)})")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Loads a YAML config (default: the embedded ``default.yaml``), applies overrides,
-    validates, and returns a ``Config``."""
+def _base_path(base: Any, child: Path) -> Path:
+    """Where ``base: NAME`` in ``child`` points: a path beside ``child`` first, then a path
+    from the working directory or a shipped config's name."""
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{child}: 'base' must name a config (a shipped name or a path), "
+                          f"got {quote(base)}")
+    for cand in (child.parent / base, child.parent / f"{base}.yaml"):
+        if cand.is_file():
+            return cand
+    try:
+        return resolve_config_path(base)
+    except ConfigError as e:
+        raise ConfigError(f"{child}: 'base': {e}") from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A config file's sections with its ``base:`` chain merged in: each file is read, its
+    base (if any) read first, and the file's keys deep-merged over it (MaxText-style base +
+    overrides). A chain that returns to a file it already read is refused in one line."""
+    chain: list[Path] = []
+    layers: list[dict[str, Any]] = []
+    src = resolve_config_path(path)
+    while True:
+        key = src.resolve()
+        if key in chain:
+            names = " -> ".join(str(p.name) for p in [*chain, key])
+            raise ConfigError(f"config {quote_name(str(path))}: 'base' chain loops ({names})")
+        chain.append(key)
+        loaded = safe_load_yaml(read_config_text(src), str(src)) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{src}: top level must be a mapping of sections")
+        layers.append(loaded)
+        if "base" not in loaded:
+            break
+        src = _base_path(loaded.pop("base"), src)
     data: dict[str, Any] = {}
-    src = resolve_config_path(path if path is not None else "default")
-    loaded = safe_load_yaml(read_config_text(src), str(src)) or {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{src}: top level must be a mapping of sections")
-    data = _merge(data, loaded)
+    for layer in reversed(layers):
+        data = _merge(data, layer)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Loads a YAML config (default: the embedded ``default.yaml``) with its ``base:`` chain,
+    applies overrides, validates, and returns a ``Config``."""
+    data = read_config_file(path if path is not None else "default")
     for ov in overrides or []:
         data = _merge(data, parse_override(ov))
     return from_dict(data)

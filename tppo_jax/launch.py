@@ -15,6 +15,7 @@ a ``gs://`` run dir (``--bucket``): the checkpoints go there directly.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -180,10 +181,12 @@ def remote_config(spec: LaunchSpec) -> str:
     p = Path(spec.config)
     if not p.exists():
         return spec.config  # a shipped config name such as "smoke"
-    try:
-        return p.resolve().relative_to(spec.local_root.resolve()).as_posix()
-    except ValueError:
-        return f"run-configs/{p.name}"
+    root = spec.local_root.resolve()
+    # the path as given first: configs/ is a link to tppo_jax/configs, and either works there
+    for q in (Path(os.path.abspath(p)), p.resolve()):
+        if q.is_relative_to(root):
+            return q.relative_to(root).as_posix()
+    return f"run-configs/{p.name}"
 
 
 def train_argv(spec: LaunchSpec) -> list[str]:
