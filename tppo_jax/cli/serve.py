@@ -85,9 +85,10 @@ def latest_warmstart(root: Path = Path("runs")) -> Path | None:
     return max(done, key=lambda d: (d / "DONE").stat().st_mtime, default=None)
 
 
-def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
+def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path, *, start: bool = False
                        ) -> tuple[Any, Any, str, str]:
-    """Returns ``(model, tokenizer, tokenizer_path, description)``."""
+    """Returns ``(model, tokenizer, tokenizer_path, description)``; ``start``: a run
+    directory's starting policy instead of its checkpoint."""
     from tppo_jax.cli.policy import is_run_dir, load_hf_folder, load_policy
 
     ckpt = Path(checkpoint) if checkpoint else None
@@ -98,9 +99,12 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
             p.name.isdigit() for p in (default_run / "checkpoints").glob("*")):
         run_dir = default_run
     if run_dir is not None:
+        from functools import partial
+
         from tppo_jax.cli.runs import load_run_policy
 
-        got = load_policy(str(run_dir), dtype=cfg.model.dtype, load_run=load_run_policy)
+        got = load_policy(str(run_dir), dtype=cfg.model.dtype,
+                          load_run=partial(load_run_policy, start=start))
         return got.model, got.tokenizer, str(got.tokenizer_file), got.description
     if ckpt is None and cfg.model.source == "hf" and cfg.model.path:
         from tppo_jax.models.hub import resolve_model
@@ -133,6 +137,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file or shipped config name")
     p.add_argument("--checkpoint", default=None,
                    help="HF-format policy directory (tokenizer beside it or in its parent)")
+    p.add_argument("--start", action="store_true",
+                   help="with a run directory: its starting policy instead of a checkpoint "
+                   "(a run without a usable checkpoint is refused without it)")
     p.add_argument("--port", type=_port(allow_any=True), default=DEFAULT_PORT,
                    help="1..65535, or 0 = any free port (printed on the READY line)")
     p.add_argument("--host", type=_host, default=None,
@@ -162,7 +169,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="tppo-serve-"))
     try:
         try:
-            model, tok, tok_path, what = load_serving_model(args.checkpoint, cfg, scratch)
+            model, tok, tok_path, what = load_serving_model(args.checkpoint, cfg, scratch,
+                                                       start=args.start)
         except (OSError, ValueError) as e:  # no tokenizer / config.json, unreadable files
             return _refuse(f"cannot load the model to serve: {e}")
         prefill = _prefill_bucket(r.max_prompt_len)
