@@ -13,7 +13,9 @@ Registered in the ``tppo`` command table by ``register(register_fn)``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -187,15 +189,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except OSError as e:  # the port was taken while the model loaded
             return _refuse(str(e))
         stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        print(f"READY serving {what} on {server.host}:{server.port} "
-              f"({engine.max_concurrent_decodes} slots, {core.pages_total} KV pages)",
-              flush=True)
-        stop.wait()
-        print("stopping", flush=True)
-        server.stop()
-        print("stopped", flush=True)
+        # The server stops whatever happens here: a stdout closed by the reader (`| head
+        # -1`) must not leave it holding the port after SIGTERM.
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            _say(f"READY serving {what} on {server.host}:{server.port} "
+                 f"({engine.max_concurrent_decodes} slots, {core.pages_total} KV pages)")
+            stop.wait()
+            _say("stopping")
+        finally:
+            server.stop()
+        _say("stopped")
         return 0
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -219,6 +224,18 @@ def _serve_arg_error(args: argparse.Namespace, host: str) -> str | None:
     except OSError as e:
         return str(e)
     return None
+
+
+def _say(line: str) -> None:
+    """Prints a status line; a closed stdout (its reader gone) sends the rest to /dev/null
+    instead of raising, so serving and stopping go on."""
+    try:
+        print(line, flush=True)
+    except (BrokenPipeError, ValueError, OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull, sys.stdout.fileno())  # the exit's flush then finds no pipe
+        os.close(devnull)
 
 
 def _refuse(msg: str) -> int:
