@@ -232,6 +232,20 @@ def _check_rollout_and_algo(cfg: Config) -> None:
             f"slots ({r.slots}) not divisible by optim.minibatches * optim.grad_accum "
             f"({o.minibatches} * {o.grad_accum})"
         )
+    if r.kv_cache == "paged" and r.num_pages:
+        # The scheduler admits a prompt only with pages for it and its first window.
+        # (Value pretraining's rollouts are one full-length window.)
+        pre = cfg.algo.value_pretrain_steps > 0
+        window = r.max_response_len if pre else min(r.window, r.max_response_len)
+        need = -(-(r.max_prompt_len - 1 + window) // r.page_size)
+        if r.num_pages < need:
+            what = ("algo.value_pretrain_steps' full-length window" if pre
+                    else "rollout.window")
+            raise ConfigError(
+                f"rollout.num_pages ({r.num_pages}) cannot hold one prompt and its first "
+                f"window: rollout.max_prompt_len - 1 + {what} = "
+                f"{r.max_prompt_len - 1 + window} tokens need {need} pages of "
+                f"rollout.page_size {r.page_size}; raise it (0 = enough for every slot)")
     if cfg.reward.overlong_buffer > r.max_response_len:
         raise ConfigError(f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) exceeds "
                           f"rollout.max_response_len ({r.max_response_len})")

@@ -190,3 +190,18 @@ def test_defaults_and_shipped_configs_pass_the_ranges() -> None:
     for p in sorted(Path(__file__).parents[2].glob("configs/*.yaml")):
         load_config(p)
     validate(Config())  # the dataclass defaults too
+
+
+def test_a_paged_pool_too_small_for_one_prompt_is_refused() -> None:
+    """Issue 49 M4: num_pages=1 trained nothing, every step, rc 0."""
+    base = ["rollout.kv_cache=paged", "rollout.max_prompt_len=64", "rollout.window=16",
+            "rollout.page_size=16"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "rollout.num_pages=1"])
+    msg = str(e.value)
+    assert "rollout.num_pages (1) cannot hold one prompt" in msg and "\n" not in msg
+    assert "need 5 pages" in msg
+    load_config(None, [*base, "rollout.num_pages=5"])  # 63 + 16 tokens: 5 pages
+    load_config(None, [*base, "rollout.num_pages=0"])  # 0: sized for every slot
+    with pytest.raises(ConfigError, match="value_pretrain_steps"):  # a full-length window
+        load_config(None, [*base, "rollout.num_pages=5", "algo.value_pretrain_steps=2"])

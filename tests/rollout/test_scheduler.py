@@ -286,3 +286,18 @@ def test_engine_finishes_a_sequence_at_max_new_tokens():
     assert np.asarray(ds.generated).tolist() == [5, 5]
     ids = eng.new_seq_ids(3)
     assert ids.dtype == np.uint32 and ids.tolist() == [0, 1, 2] and eng.next_seq == 3
+
+
+def test_a_pool_that_admits_nothing_stops_the_run_in_one_line():
+    """Issue 49 M4: a paged pool with no room for one prompt and its window deferred every
+    admission forever: steps of 0 tokens, no error."""
+    from tppo_jax.config import ConfigError
+    from tppo_jax.rollout.scheduler import MAX_IDLE_STEPS
+
+    s = _scheduler(window=8, cache="paged", pages=2)  # a 12-token prompt + 8 need 5 pages
+    with pytest.raises(ConfigError) as e:
+        for _ in range(MAX_IDLE_STEPS):
+            s.step()
+    msg = str(e.value)
+    assert "\n" not in msg and f"admitted no prompt for {MAX_IDLE_STEPS} steps" in msg
+    assert "raise rollout.num_pages" in msg and "(5 pages)" in msg

@@ -95,12 +95,14 @@ def abstract_policy(config_json: Path, dtype: str):
     return pdef, template
 
 
-def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True):
+def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True,
+                    start: bool = False):
     """(config, tokenizer, policy model, step, tokenizer file) of a run's checkpoint (the
-    newest whose policy verifies, by default). With checkpoints, only the run directory
-    is read: the policy is shaped from the model config and tokenizer the run keeps
-    (``warmstart/`` or ``model/``); without, it is the run's starting model. A LoRA run's
-    adapters are folded into the weights unless ``merge_lora`` is False."""
+    newest whose policy verifies, by default). Only the run directory is read: the policy
+    is shaped from the model config and tokenizer the run keeps (``warmstart/`` or
+    ``model/``). A LoRA run's adapters are folded into the weights unless ``merge_lora``
+    is False. ``start``: the run's starting policy (step 0) instead; without it, a run
+    with no checkpoint is a one-line ``ConfigError`` (never its warm-start as "step 0")."""
     from flax import nnx
 
     from tppo_jax.config import ConfigError
@@ -112,10 +114,17 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True)
         run_model_files,
     )
     from tppo_jax.train.ema import policy_item
-    from tppo_jax.train.setup import load_models
+    from tppo_jax.train.setup import load_models, load_policy
     from tppo_jax.train.warmstart import RUN_SUBDIR
 
     cfg = run_config(run_dir)
+    if start:
+        if step is not None:
+            raise ConfigError("--start and --step name different policies; give one")
+        tok, policy, tok_file = load_policy(cfg, run_dir, progress=False)
+        return cfg, tok, policy, 0, tok_file
+    if step is None:
+        require_checkpoint(run_dir, cfg)
     ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", every=0, keep=1000)
     try:
         if step is not None:
@@ -144,6 +153,30 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True)
     if found is not None:
         step, template = found
     return cfg, tok, nnx.merge(pdef, template), step or 0, tok_file
+
+
+def require_checkpoint(run_dir: Path, cfg: Config) -> None:
+    """Refuses, in one line, a run with no checkpoint to load (none written, every one set
+    aside as damaged, or a relative ``checkpoint.dir`` read from another working
+    directory), before anything loads or creates a folder."""
+    from tppo_jax.config import ConfigError
+    from tppo_jax.train.checkpoint import checkpoint_path, listed_steps
+
+    folder = checkpoint_path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    steps, damaged = listed_steps(folder)
+    if steps:
+        return
+    if damaged:
+        why = f"{folder} holds only checkpoints set aside as damaged ({', '.join(damaged)})"
+    elif not folder.exists():
+        why = f"no checkpoint folder {folder}"
+    else:
+        why = f"{folder} has no checkpoint"
+    if cfg.checkpoint.dir and "://" not in cfg.checkpoint.dir and not Path(
+            cfg.checkpoint.dir).is_absolute():
+        why += f" (checkpoint.dir {cfg.checkpoint.dir!r} is relative to where the run started)"
+    raise ConfigError(f"{run_dir} has no usable checkpoint: {why}; pass --start to use the "
+                      f"run's starting policy")
 
 
 def run_config(run_dir: Path) -> Config:
@@ -297,6 +330,9 @@ def _export_args(p: argparse.ArgumentParser) -> None:
                    "run's adapters alone in OUT/adapter/, PEFT's layout)")
     p.add_argument("--step", type=non_negative_int, default=None,
                    help="checkpoint step (default: latest)")
+    p.add_argument("--start", action="store_true",
+                   help="the run's starting policy (its warm-start or model) instead of a "
+                   "checkpoint; a run without a usable checkpoint is refused without it")
 
 
 ADAPTER_SUBDIR = "adapter"  # OUT/adapter/: a LoRA run's adapters alone, for PEFT
@@ -309,9 +345,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from tppo_jax.models.lora import merge_lora
 
     cfg, tok, policy, step, tok_file = load_run_policy(Path(args.run_dir), args.step,
-                                                       merge_lora=False)
+                                                       merge_lora=False, start=args.start)
     out = Path(args.out)
-    if cfg.model.lora_rank:  # the adapters alone (PEFT's layout), then merged weights
+    # The adapters alone (PEFT's layout), then merged weights; the start has no adapters.
+    if cfg.model.lora_rank and not args.start:
         base = cfg.model.path if cfg.model.source == "hf" else None
         save_peft_adapter(policy, out / ADAPTER_SUBDIR, alpha=cfg.model.lora_alpha,
                           base_model=base)
@@ -325,7 +362,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             shutil.copy(tok_file.parent / name, out / name)
     # transformers' generate stops only on the ids these files name (the tokenizer's own).
     write_special_ids(out, bos_id=tok.bos_id, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
-    print(f"exported policy of step {step} to {out}")
+    what = "the starting policy" if args.start else f"policy of step {step}"
+    print(f"exported {what} to {out}")
     return 0
 
 

@@ -13,7 +13,9 @@ Registered in the ``tppo`` command table by ``register(register_fn)``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -85,9 +87,10 @@ def latest_warmstart(root: Path = Path("runs")) -> Path | None:
     return max(done, key=lambda d: (d / "DONE").stat().st_mtime, default=None)
 
 
-def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
+def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path, *, start: bool = False
                        ) -> tuple[Any, Any, str, str]:
-    """Returns ``(model, tokenizer, tokenizer_path, description)``."""
+    """Returns ``(model, tokenizer, tokenizer_path, description)``; ``start``: a run
+    directory's starting policy instead of its checkpoint."""
     from tppo_jax.cli.policy import is_run_dir, load_hf_folder, load_policy
 
     ckpt = Path(checkpoint) if checkpoint else None
@@ -98,9 +101,12 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
             p.name.isdigit() for p in (default_run / "checkpoints").glob("*")):
         run_dir = default_run
     if run_dir is not None:
+        from functools import partial
+
         from tppo_jax.cli.runs import load_run_policy
 
-        got = load_policy(str(run_dir), dtype=cfg.model.dtype, load_run=load_run_policy)
+        got = load_policy(str(run_dir), dtype=cfg.model.dtype,
+                          load_run=partial(load_run_policy, start=start))
         return got.model, got.tokenizer, str(got.tokenizer_file), got.description
     if ckpt is None and cfg.model.source == "hf" and cfg.model.path:
         from tppo_jax.models.hub import resolve_model
@@ -133,6 +139,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file or shipped config name")
     p.add_argument("--checkpoint", default=None,
                    help="HF-format policy directory (tokenizer beside it or in its parent)")
+    p.add_argument("--start", action="store_true",
+                   help="with a run directory: its starting policy instead of a checkpoint "
+                   "(a run without a usable checkpoint is refused without it)")
     p.add_argument("--port", type=_port(allow_any=True), default=DEFAULT_PORT,
                    help="1..65535, or 0 = any free port (printed on the READY line)")
     p.add_argument("--host", type=_host, default=None,
@@ -162,7 +171,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="tppo-serve-"))
     try:
         try:
-            model, tok, tok_path, what = load_serving_model(args.checkpoint, cfg, scratch)
+            model, tok, tok_path, what = load_serving_model(args.checkpoint, cfg, scratch,
+                                                       start=args.start)
         except (OSError, ValueError) as e:  # no tokenizer / config.json, unreadable files
             return _refuse(f"cannot load the model to serve: {e}")
         prefill = _prefill_bucket(r.max_prompt_len)
@@ -179,15 +189,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except OSError as e:  # the port was taken while the model loaded
             return _refuse(str(e))
         stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        print(f"READY serving {what} on {server.host}:{server.port} "
-              f"({engine.max_concurrent_decodes} slots, {core.pages_total} KV pages)",
-              flush=True)
-        stop.wait()
-        print("stopping", flush=True)
-        server.stop()
-        print("stopped", flush=True)
+        # The server stops whatever happens here: a stdout closed by the reader (`| head
+        # -1`) must not leave it holding the port after SIGTERM.
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            _say(f"READY serving {what} on {server.host}:{server.port} "
+                 f"({engine.max_concurrent_decodes} slots, {core.pages_total} KV pages)")
+            stop.wait()
+            _say("stopping")
+        finally:
+            server.stop()
+        _say("stopped")
         return 0
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -211,6 +224,18 @@ def _serve_arg_error(args: argparse.Namespace, host: str) -> str | None:
     except OSError as e:
         return str(e)
     return None
+
+
+def _say(line: str) -> None:
+    """Prints a status line; a closed stdout (its reader gone) sends the rest to /dev/null
+    instead of raising, so serving and stopping go on."""
+    try:
+        print(line, flush=True)
+    except (BrokenPipeError, ValueError, OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull, sys.stdout.fileno())  # the exit's flush then finds no pipe
+        os.close(devnull)
 
 
 def _refuse(msg: str) -> int:

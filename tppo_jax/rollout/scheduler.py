@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx, serialization
 
 from tppo_jax.buckets import bucket_width
-from tppo_jax.config import RolloutConfig
+from tppo_jax.config import ConfigError, RolloutConfig
 from tppo_jax.data.readers import MathExample
 from tppo_jax.parallel.multihost import (
     check_batch_layout,
@@ -106,6 +106,11 @@ class SlotState:
         return dict(self.__dict__)
 
 
+# Steps in a row with nothing live before a run stops: one is a pool that is briefly full,
+# several in a row a pool that cannot hold a single prompt.
+MAX_IDLE_STEPS = 3
+
+
 class TruncatedRolloutScheduler:
     """B slots, window ``l``, max response ``L`` (``K = ceil(L / l)`` windows per sequence).
 
@@ -165,6 +170,7 @@ class TruncatedRolloutScheduler:
         self.stats: dict[str, float] = {"slot_steps": 0.0, "useful_tokens": 0.0}
         self._force_prefill = False
         self.pending: deque[int] = deque()
+        self._idle_steps = 0  # steps in a row with no live row (nothing admitted or running)
 
     def _host_rows(self, tree: Any) -> Any:
         """This host's rows of the engine's ``[B_global, ...]`` outputs. An output XLA chose
@@ -256,6 +262,23 @@ class TruncatedRolloutScheduler:
             new_rows[r] = True
         return new_rows
 
+    def _check_progress(self) -> None:
+        """``ConfigError`` (one line) after ``MAX_IDLE_STEPS`` steps in a row with no live
+        row: nothing could be admitted (a paged pool too small for a prompt and its first
+        window), so the run would train on nothing."""
+        self._idle_steps = 0 if self.state.live.any() else self._idle_steps + 1
+        if self._idle_steps < MAX_IDLE_STEPS:
+            return
+        pool = ""
+        if kv_slots.is_paged(self.ds.cache):
+            ps = self.engine.page_size
+            need = kv_slots.pages_for(self.P - 1 + self.window, ps)
+            pool = (f": the paged KV pool ({self.engine.num_pages} pages of {ps} tokens) has "
+                    f"no room for a prompt and its first window ({need} pages); raise "
+                    f"rollout.num_pages (0 = enough for every slot)")
+        raise ConfigError(f"rollout admitted no prompt for {MAX_IDLE_STEPS} steps in a row"
+                          f"{pool}")
+
     def release_finished(self, finished: np.ndarray) -> None:
         """Frees the slots of finished rows (dense: rows are overwritten on reuse; paged: their
         pages go back to the pool now)."""
@@ -324,6 +347,7 @@ class TruncatedRolloutScheduler:
     def step(self) -> RolloutBatch:
         st = self.state
         new_rows = self._admit()
+        self._check_progress()
         self._place(new_rows)
         self._prefill(new_rows)
         budget = np.where(st.live, np.minimum(self.window, st.prompt_len + self.L - st.total_len),

@@ -39,6 +39,14 @@ def all_finite(tree: Any) -> bool:
     return bool(global_to_host(ok))
 
 
+def _non_finite(trees: dict[str, Any], *, every: bool) -> list[str]:
+    """The restored items holding NaN or inf: the params (which a save never writes
+    non-finite, so such values are damage) and, with ``every`` (a step no manifest
+    vouches for), every item."""
+    return [k for k, tree in trees.items()
+            if (every or k in FINITE_ITEMS) and not all_finite(tree)]
+
+
 def checkpoint_path(directory: str | Path) -> epath.Path:
     """A local directory (made absolute) or a bucket URL such as ``gs://b/run/checkpoints``,
     which Orbax writes directly: on a pod every host must write to one shared place."""
@@ -186,7 +194,8 @@ class Checkpointer:
         problems = self.verify(step, items)
         if problems is None:
             log.warning("checkpoint step %d has no manifest (older version, or stopped "
-                        "before it was written): restoring it unverified", step)
+                        "before it was written): restoring it unverified, then checking "
+                        "that every restored tree is finite", step)
         if problems:
             for p in problems:
                 log.error("CHECKPOINT DAMAGED: step %d: %s", step, p)
@@ -195,7 +204,7 @@ class Checkpointer:
             return f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1
                                        else "")
         try:
-            return restore()
+            out = restore()
         except Exception as e:
             if problems is not None:
                 # Every byte is as written: the run and the checkpoint disagree (a changed
@@ -204,6 +213,14 @@ class Checkpointer:
                                       f"but does not restore: {_one_line(e)}") from e
             log.error("CHECKPOINT DAMAGED: step %d could not be restored: %s", step, e)
             return f"restore failed: {_one_line(e)}"
+        bad = _non_finite(out[0] if items is None else {items[0]: out[0]},
+                          every=problems is None)
+        if bad:
+            why = (f"non-finite values in {', '.join(bad)}"
+                   + (" (no manifest to verify it against)" if problems is None else ""))
+            log.error("CHECKPOINT DAMAGED: step %d: %s: skipping it", step, why)
+            return why
+        return out
 
     def _set_aside(self, step: int) -> None:
         """Renames a damaged step out of Orbax's sight, keeping it for inspection."""
