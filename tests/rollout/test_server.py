@@ -41,17 +41,21 @@ def server(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     with open(log, "w") as f:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tppo_jax.cli", "serve", "--port", "0",
+            [sys.executable, "-m", "tppo_jax.cli", "serve", "--port", "0", "--http-port", "0",
              "--slots", "4"], cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT)
     try:
-        port = None
+        port = http_port = None
         deadline = time.time() + 180
         while port is None and time.time() < deadline and proc.poll() is None:
             for line in log.read_text().splitlines():
+                if line.startswith("OPENAI"):
+                    http_port = int(line.split()[1].split(":")[2].split("/")[0])
                 if line.startswith("READY"):
                     port = int(line.split()[-6].rsplit(":", 1)[1])
             time.sleep(0.5)
         assert port is not None, f"server did not start:\n{log.read_text()[-3000:]}"
+        assert http_port is not None, log.read_text()[-3000:]
+        proc.http_port = http_port
         yield proc, port, log
     finally:
         if proc.poll() is None:
@@ -61,13 +65,19 @@ def server(tmp_path):
 
 def test_serve_stream_reject_and_stop(server, capsys):
     proc, port, log = server
-    assert main(["generate", "--port", str(port), "--max-tokens", "12", "Q: 1+2?"]) == 0
+    assert main(["generate", "--grpc", "--port", str(port), "--max-tokens", "12",
+                 "Q: 1+2?"]) == 0
     first = capsys.readouterr().out
     assert first.strip(), "no tokens streamed"
+    # The HTTP door of the same server (this tokenizer has no chat template: plain).
+    assert main(["generate", "--port", str(proc.http_port), "--max-tokens", "6", "1+2?"]) == 0
+    assert capsys.readouterr().out.strip(), "no tokens streamed over HTTP"
+    assert main(["generate", "--port", str(proc.http_port), "--temperature", "0.3", "hi"]) == 1
+    assert "temperature" in capsys.readouterr().err
 
     assert main(["generate", "--port", str(port), "--token-ids", "5,100000"]) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
-    assert main(["generate", "--port", str(port), ""]) == 1
+    assert main(["generate", "--grpc", "--port", str(port), ""]) == 1
     assert "empty prompt" in capsys.readouterr().err
 
     # Still serving: a second good request (token ids in, token ids out).

@@ -256,9 +256,11 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=top_p, default=None,
                    help="in (0, 1]; default: the protocol's")
     p.add_argument("--greedy", action="store_true", help="one greedy sample per question")
-    p.add_argument("--out", default=None, help="results JSON (default: RUN_DIR/eval_<step>.json)")
+    p.add_argument("--out", default=None, help="results JSON (default: RUN_DIR/eval_<step>_"
+                   "<protocol tag>.json, e.g. eval_4_greedy.json, eval_4_run-k4-t1-p1.json)")
     p.add_argument("--show", type=non_negative_int, default=0, metavar="N",
-                   help="also print N held-out prompts with a completion and its grade")
+                   help="also print N prompts with a completion, the answer found and its "
+                   "grade (held-out or --benchmark)")
     add_benchmark_args(p)
 
 
@@ -276,7 +278,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tppo_jax.data.run_data import prompt_rows
     from tppo_jax.eval.heldout import EvalEngines, evaluate
     from tppo_jax.eval.protocol import protocol_named
-    from tppo_jax.rewards.grader import MathGrader
+    from tppo_jax.eval.diagnose import no_answer_warning, protocol_tag
+    from tppo_jax.rewards.grader import MathGrader, answer_format_for
     from tppo_jax.rollout.decode import SamplingParams
 
     run_dir = Path(args.run_dir)
@@ -299,20 +302,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
                        seed=protocol.seed, engines=engines, **lens)
         if args.show > 0:
             _show_samples(policy, tok, eval_rows[:args.show], prompts, grader, sampling, lens,
-                          engines)
+                          engines, answer_format_for(cfg.data.format, cfg.reward.answer_format))
     res.update(step=step, start=args.start, k=k, greedy=args.greedy,
                questions=len(eval_rows), protocol=None if args.greedy else protocol.to_dict())
     name = "start" if args.start else str(step)
     size = f"_n{args.eval_size}" if args.eval_size is not None else ""
-    out = Path(args.out or run_dir / f"eval_{name}{size}.json")
+    tag = protocol_tag(protocol.to_dict(), greedy=args.greedy)
+    out = Path(args.out or run_dir / f"eval_{name}{size}_{tag}.json")
     out.write_text(json.dumps(res, indent=2))
     print(json.dumps(res))
+    warn = no_answer_warning(res.get("no_answer"),
+                             answer_format_for(cfg.data.format, cfg.reward.answer_format))
+    if warn:
+        print(warn, file=sys.stderr)
     return 0
 
 
-def _show_samples(policy, tok, rows, prompts, grader, sampling, lens, engines) -> None:
-    """Prints each row's prompt, one completion, and its grade (``tppo eval --show N``)."""
+def _show_samples(policy, tok, rows, prompts, grader, sampling, lens, engines,
+                  answer_format) -> None:
+    """Prints each row's prompt, one completion, the answer found in it and its grade, with
+    why it was not graded (``tppo eval --show N``)."""
+    from tppo_jax.eval.diagnose import why_not_graded
     from tppo_jax.eval.heldout import generate_answers
+    from tppo_jax.rewards.grader import extract_answer
 
     responses = generate_answers(policy, tok, [prompts.ids(e, tok) for e in rows],
                                  sampling=sampling, engines=engines, **lens)
@@ -320,8 +332,11 @@ def _show_samples(policy, tok, rows, prompts, grader, sampling, lens, engines) -
     graded = grader.grade(texts, [e.answer for e in rows])
     for e, text, reason, reward in zip(rows, texts, graded.reasons, graded.rewards,
                                        strict=True):
+        found = extract_answer(text, answer_format=answer_format)
+        why = why_not_graded(reason, answer_format)
         print(f"=== prompt\n{prompts.text(e)}\n--- completion\n{text}\n--- answer "
-              f"{e.answer}: {reason} (reward {float(reward):g})\n")
+              f"{e.answer}: {reason} (reward {float(reward):g}; found {found!r})"
+              f"{f' ({why})' if why else ''}\n")
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:

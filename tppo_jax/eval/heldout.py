@@ -171,6 +171,8 @@ def evaluate(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathExample],
         f"pass@{k}": metrics[f"pass@{k}"],
         "response_len_mean": float(g.lengths.mean()),
         "boxed_frac": float((g.reasons != "no_answer").reshape(-1).mean()),
+        # percent, as accuracies: answers with nothing the grader could read
+        "no_answer": float(100.0 * (g.reasons == "no_answer").reshape(-1).mean()),
         # Step-level checking (sympy verifier): all steps valid; right answer but a bad step.
         "steps_all_valid_frac": float(steps_ok.mean()),
         "right_answer_wrong_steps_frac": float((correct.reshape(-1) & ~steps_ok).mean()),

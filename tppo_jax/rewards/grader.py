@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tppo_jax.data.readers import last_boxed
+from tppo_jax.rewards.workers import start_worker
 
 if TYPE_CHECKING:
     from tppo_jax.config import RewardConfig
@@ -306,7 +307,7 @@ class MathGrader:
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(target=_worker_main, args=(child, self.grade_kw), daemon=True)
-        proc.start()
+        start_worker(proc)  # never re-runs the user's script (rewards/workers.py)
         child.close()  # so the parent sees EOF when the worker dies
         self.stats["started"] += 1
         return _Worker(proc, parent)
