@@ -46,6 +46,9 @@ class ModelSettings:
     max_seq_len: int = 256
     dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False  # hf/gguf: recompute layers in the backward pass (less memory)
+    # training-forward attention (kernels/attention.py, docs/models.md): auto = splash on TPU,
+    # cuDNN on GPU, dense on CPU for short sequences and chunked (memory linear in T) beyond
+    attention: Literal["auto", "dense", "chunked", "splash", "cudnn"] = "auto"
     value_init: Literal["policy", "path", "random"] = "policy"
     value_path: str | None = None
     # LoRA (models/lora.py, docs/models.md): rank of the adapters trained in place of the

@@ -19,38 +19,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
+from tppo_jax.kernels.attention import MASK_VALUE, gqa_attention
 from tppo_jax.parallel.mesh import named_sharding
-
-# A large finite negative instead of -inf: a query whose keys are all masked (padding rows)
-# then gets a uniform softmax instead of NaNs that would poison gradients through `where`.
-MASK_VALUE = -1e30
-
-
-def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query scaled dot-product attention, softmax in float32.
-
-    Args:
-      q: ``[B, T, Hq, D]`` queries.
-      k: ``[B, S, Hkv, D]`` keys; ``Hq`` must be a multiple of ``Hkv``.
-      v: ``[B, S, Hkv, D]`` values.
-      mask: ``[B, T, S]`` bool, True where query t may attend to key s.
-
-    Returns:
-      ``[B, T, Hq, D]`` in ``q.dtype``.
-    """
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    group = hq // hkv
-    # Query heads h*group .. h*group+group-1 share kv head h (HF repeat_kv order).
-    qg = q.reshape(b, t, hkv, group, d)
-    scores = jnp.einsum(
-        "btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32
-    ) * (1.0 / jnp.sqrt(jnp.float32(d)))
-    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -73,18 +43,6 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     probs = jax.nn.softmax(scores, axis=1)
     out = jnp.sum(probs[..., None] * v.astype(jnp.float32)[:, :, :, None, :], axis=1)
     return out.reshape(b, 1, hq, d).astype(q.dtype)
-
-
-def causal_padding_mask(attention_mask: jax.Array | None, b: int, t: int) -> jax.Array:
-    """``[B, T, T]`` mask for full-sequence attention: causal by index, keys must be valid.
-
-    Args:
-      attention_mask: ``[B, T]`` (1/True = real token) or None (all valid).
-    """
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
-    if attention_mask is None:
-        return jnp.broadcast_to(causal, (b, t, t))
-    return causal & attention_mask.astype(bool)[:, None, :]
 
 
 @runtime_checkable

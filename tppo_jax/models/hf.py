@@ -248,7 +248,8 @@ def _state_paths(state: Any) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
 
 
 def from_pretrained(path: str | pathlib.Path, *, dtype: str = "float32",
-                    mesh: Mesh | None = None, remat: bool = False) -> Transformer:
+                    mesh: Mesh | None = None, remat: bool = False,
+                    attention: str = "auto") -> Transformer:
     """Loads an HF Qwen2/Llama checkpoint directory into a ``Transformer``.
 
     Args:
@@ -256,10 +257,11 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: str = "float32",
       dtype: param dtype of the returned model (tensors are cast on read).
       mesh: if given, every param is created directly in ``named_sharding(mesh, axes)``.
       remat: recompute each layer in the backward pass (activation memory of one layer).
+      attention: the training forward's attention (``kernels/attention.py`` ``IMPLS``).
     """
     path = pathlib.Path(path)
     cfg = config_from_hf(json.loads((path / "config.json").read_text()), dtype)
-    cfg = dataclasses.replace(cfg, remat=remat)
+    cfg = dataclasses.replace(cfg, remat=remat, attention=attention)
     files = _weight_files(path)
     maps = _tensor_maps(cfg)
     missing = sorted(tm.hf_name for tm in maps.values() if tm.hf_name not in files)

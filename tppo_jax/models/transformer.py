@@ -25,7 +25,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from tppo_jax.models.cache import DenseKVCache, KVCache, causal_padding_mask, gqa_attention
+from tppo_jax.kernels.attention import IMPLS, CausalMask, attention
+from tppo_jax.models.cache import DenseKVCache, KVCache
 from tppo_jax.parallel.mesh import named_sharding
 
 # ModelConfig.remat_policy -> jax.checkpoint policy (None = save nothing but the inputs).
@@ -68,6 +69,9 @@ class ModelConfig:
     # dots_with_no_batch_dims_saveable: the backward recomputes only norms, activations and
     # attention, for O(layers * B*T*(4H + 2I)) more activation memory).
     remat_policy: str = "full"
+    # Training-forward attention (``kernels/attention.py``): "auto" = splash on TPU, cuDNN on
+    # GPU, dense on CPU for short sequences and chunked beyond. Cached decoding is unaffected.
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         # Stored as sorted item tuples so the config is hashable (NNX keeps it as static
@@ -83,6 +87,8 @@ class ModelConfig:
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy={self.remat_policy!r}; expected one of "
                              f"{sorted(REMAT_POLICIES)}")
+        if self.attention not in IMPLS:
+            raise ValueError(f"attention={self.attention!r}; expected one of {', '.join(IMPLS)}")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -193,6 +199,7 @@ class Attention(nnx.Module):
         self.v = _param(rngs, (h, hkv, d), ("embed", "kv_heads", "head_dim"), dt)
         self.o = _param(rngs, (hq, d, h), ("heads", "head_dim", "embed"), dt)
         self.qkv_bias = cfg.qkv_bias
+        self.impl = cfg.attention
         if cfg.qkv_bias:
             self.q_bias = _param(rngs, (hq, d), ("heads", "head_dim"), dt, "zeros")
             self.k_bias = _param(rngs, (hkv, d), ("kv_heads", "head_dim"), dt, "zeros")
@@ -204,11 +211,11 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: CausalMask,
                  inv_freq: jax.Array) -> jax.Array:
-        """``x [B, T, H]``, ``mask [B, T, T]`` -> ``[B, T, H]``."""
+        """``x [B, T, H]`` -> ``[B, T, H]``; ``mask`` over the T keys."""
         q, k, v = self._qkv(x, positions, inv_freq)
-        return project(self, "o", gqa_attention(q, k, v, mask))
+        return project(self, "o", attention(q, k, v, mask, self.impl))
 
     def with_cache(self, x: jax.Array, positions: jax.Array, valid: jax.Array,
                    inv_freq: jax.Array, cache: KVCache, layer_idx: int):
@@ -218,16 +225,16 @@ class Attention(nnx.Module):
         return project(self, "o", out), cache
 
     def split(self, xp: jax.Array, xs: jax.Array, pos_p: jax.Array, pos_s: jax.Array,
-              mask_p: jax.Array, mask_s: jax.Array, inv_freq: jax.Array):
+              mask_p: CausalMask, mask_s: CausalMask, inv_freq: jax.Array):
         """``__call__`` over a prefix ``xp [B, P, H]`` and the suffix ``xs [B, T-P, H]`` after
         it, the prefix's keys and values without gradient: ``(out_p, out_s)``.
-        ``mask_p [B, P, P]``, ``mask_s [B, T-P, T]`` (rows ``P:`` of the full mask)."""
+        ``mask_p`` over the P prefix keys, ``mask_s`` the suffix's (``q_offset`` P, T keys)."""
         qp, kp, vp = self._qkv(xp, pos_p, inv_freq)
         qs, ks, vs = self._qkv(xs, pos_s, inv_freq)
         kp, vp = jax.lax.stop_gradient(kp), jax.lax.stop_gradient(vp)
-        out_p = gqa_attention(qp, kp, vp, mask_p)
-        out_s = gqa_attention(qs, jnp.concatenate([kp, ks], 1), jnp.concatenate([vp, vs], 1),
-                              mask_s)
+        out_p = attention(qp, kp, vp, mask_p, self.impl)
+        out_s = attention(qs, jnp.concatenate([kp, ks], 1), jnp.concatenate([vp, vs], 1),
+                          mask_s, self.impl)
         return project(self, "o", out_p), project(self, "o", out_s)
 
 
@@ -313,9 +320,8 @@ class Backbone(nnx.Module):
         update needs for a continuation whose trained window starts after ``P``: the
         earlier windows' columns cost a forward, not a forward and a backward.
         """
-        b, t = tokens.shape
         positions = _default_positions(tokens) if positions is None else positions
-        mask = causal_padding_mask(attention_mask, b, t)
+        mask = CausalMask.from_attention_mask(attention_mask)
         inv_freq = rope_inv_freq(self.config)
         x = jnp.take(self.embed[...], tokens, axis=0)
         policy = REMAT_POLICIES[self.config.remat_policy]
@@ -326,7 +332,7 @@ class Backbone(nnx.Module):
             x = run(layer, x, positions, mask, inv_freq)
         return self.final_norm(x)
 
-    def _split(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
+    def _split(self, x: jax.Array, positions: jax.Array, mask: CausalMask,
                inv_freq: jax.Array, p: int, policy: Any) -> jax.Array:
         """The layers over ``x [B, T, H]`` with columns ``:p`` forward only."""
         if not 0 < p < x.shape[1]:
@@ -335,8 +341,8 @@ class Backbone(nnx.Module):
                else _run_split_layer)
         xp, xs = jax.lax.stop_gradient(x[:, :p]), x[:, p:]
         for layer in self.layers:
-            xp, xs = run(layer, xp, xs, positions[:, :p], positions[:, p:], mask[:, :p, :p],
-                         mask[:, p:], inv_freq)
+            xp, xs = run(layer, xp, xs, positions[:, :p], positions[:, p:], mask.prefix(p),
+                         mask.suffix(p), inv_freq)
         return self.final_norm(jnp.concatenate([xp, xs], axis=1))
 
     def with_cache(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,

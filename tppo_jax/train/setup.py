@@ -273,7 +273,7 @@ def load_policy(cfg: Config, run_dir: Path, progress: bool, mesh=None
         raise ConfigError(f"model.path {path}: no tokenizer.json or tokenizer.model found")
     tok = Tokenizer.load(tok_file)
     policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh,  # straight to shards
-                             remat=cfg.model.remat)
+                             remat=cfg.model.remat, attention=cfg.model.attention)
     if mh.is_primary():  # the run's checkpoints then restore without model.path
         record_model(run_dir, path / "config.json", tok_file)
     return tok, policy, tok_file
@@ -288,7 +288,8 @@ def load_critic(cfg: Config, policy: Any, mesh=None) -> ValueModel:
 
         value_folder = resolve_model(cfg.model.value_path or "", "model.value_path")
         return ValueModel.from_policy(from_pretrained(value_folder, dtype=cfg.model.dtype,
-                                                      mesh=mesh, remat=cfg.model.remat))
+                                                      mesh=mesh, remat=cfg.model.remat,
+                                                      attention=cfg.model.attention))
     if cfg.model.value_init == "random":
         return ValueModel(policy.config, rngs=nnx.Rngs(cfg.train.seed + 1))
     # Sharing the (frozen) base: no transient copy of it either

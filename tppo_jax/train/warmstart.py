@@ -100,7 +100,7 @@ def tiny_model_config(cfg: Config, vocab_size: int) -> ModelConfig:
                        intermediate_size=m.intermediate_size, num_layers=m.num_layers,
                        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
                        head_dim=m.hidden_size // m.num_heads, max_position_embeddings=m.max_seq_len,
-                       tie_embeddings=True, dtype=m.dtype)
+                       tie_embeddings=True, dtype=m.dtype, attention=m.attention)
 
 
 def encode_corpus(tok: Tokenizer, texts: list[str], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
