@@ -27,9 +27,9 @@ def test_value_model_from_policy_is_separate():
     before = policy_h(model, tok)
     np.testing.assert_allclose(critic_h(vm, tok), before, atol=1e-6)
     # Distinct buffers: editing the critic's backbone leaves the policy alone.
-    w = vm.backbone.layers[0].mlp.up
+    w = vm.backbone.layers.mlp.up
     assert (w[...].unsafe_buffer_pointer()
-            != model.backbone.layers[0].mlp.up[...].unsafe_buffer_pointer())
+            != model.backbone.layers.mlp.up[...].unsafe_buffer_pointer())
     w.set_value(w[...] + 1.0)
     np.testing.assert_array_equal(policy_h(model, tok), before)
     assert not np.allclose(critic_h(vm, tok), before, atol=1e-3)

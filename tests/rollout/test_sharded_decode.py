@@ -49,10 +49,10 @@ def test_reshard_train_to_decode_layout(devices8):
     values = jax.tree.map(lambda v: v.get_value(), state,
                           is_leaf=lambda x: isinstance(x, nnx.Variable))
     moved = reshard(values, shardings)
-    gate_before = values["backbone"]["layers"][0]["mlp"]["gate"]
-    gate_after = moved["backbone"]["layers"][0]["mlp"]["gate"]
-    assert gate_before.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
-    assert gate_after.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+    gate_before = values["backbone"]["layers"]["mlp"]["gate"]  # [L, H, I]
+    gate_after = moved["backbone"]["layers"]["mlp"]["gate"]
+    assert gate_before.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
+    assert gate_after.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
     for a, b in zip(jax.tree.leaves(values), jax.tree.leaves(moved), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

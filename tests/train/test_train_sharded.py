@@ -86,8 +86,9 @@ def test_sharded_update_equals_unsharded(devices8, shape):
     mesh = make_mesh(shape)
     got, live = _run(mesh)  # inputs carry their shardings; jit propagates them
     if "tensor" in shape:  # params really are sharded, not silently replicated
-        gate = live["backbone"]["layers"][0]["mlp"]["gate"]
-        assert gate.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor"), gate.sharding
+        gate = live["backbone"]["layers"]["mlp"]["gate"]  # [L, H, I]
+        assert gate.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor"), \
+            gate.sharding
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-5)
     assert param_shardings is not None

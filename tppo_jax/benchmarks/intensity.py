@@ -56,7 +56,8 @@ def decode_step_cost(arch: str, slots: int, seq: int) -> dict:
     from tppo_jax.models.cache import DenseKVCache
     from tppo_jax.models.transformer import Transformer
 
-    cfg = ARCHS[arch].model_config("bfloat16")
+    # Unrolled layers: XLA's cost analysis counts a scan's body (one layer) once.
+    cfg = ARCHS[arch].model_config("bfloat16", unroll_layers=True)
     n, hkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)

@@ -87,7 +87,7 @@ def _ours(run_dir: Path, n: int) -> tuple[list[list[int]], list[np.ndarray], lis
     from tppo_jax.rollout.decode import SamplingParams
 
     cfg, tok, policy, step, _ = load_run_policy(run_dir, None, merge_lora=False)
-    assert policy.backbone.layers[0].attn.lora is not None, "adapters were merged"
+    assert policy.backbone.layers.attn.lora is not None, "adapters were merged"
     prompter = prompt_builder(cfg, tok)
     rows = [prompter.ids(e, tok) for e in load_data(cfg)[1][:n]]
     logits = [np.asarray(policy(jnp.asarray([ids]))[0]) for ids in rows]

@@ -3,8 +3,10 @@
 The decoder never touches cache storage itself: during cached decoding each attention layer
 hands its freshly projected (and RoPE-rotated) ``q, k, v`` to
 ``cache.update_and_attend(layer_idx, q, k, v, positions, valid)``, which stores ``k, v`` and
-returns the attention output. That one method is the whole contract, so the rollout engine
-can swap ``DenseKVCache`` for a paged cache without changing the model.
+returns the attention output. The layers run as one ``lax.scan`` with the cache in its carry,
+so ``layer_idx`` is a traced int32 scalar: storage is stacked ``[L, ...]`` and a layer's
+write is an in-place scatter at its index. That one method is the whole contract, so the
+rollout engine can swap ``DenseKVCache`` for a paged cache without changing the model.
 
 Caches are pytrees (``flax.struct`` dataclasses) so a whole decode step jits, and every
 method is functional: it returns a new cache instead of mutating.
@@ -51,7 +53,7 @@ class KVCache(Protocol):
 
     def update_and_attend(
         self,
-        layer_idx: int,
+        layer_idx: jax.Array | int,
         q: jax.Array,
         k: jax.Array,
         v: jax.Array,
@@ -61,7 +63,7 @@ class KVCache(Protocol):
         """Stores this step's keys/values for layer ``layer_idx`` and attends.
 
         Args:
-          layer_idx: static Python int, the decoder layer.
+          layer_idx: the decoder layer, an int32 scalar (traced under the layer scan).
           q: ``[B, T, Hq, D]`` RoPE-rotated queries of the new tokens.
           k: ``[B, T, Hkv, D]`` RoPE-rotated keys of the new tokens.
           v: ``[B, T, Hkv, D]`` values of the new tokens.
@@ -129,7 +131,7 @@ class DenseKVCache:
 
     def update_and_attend(
         self,
-        layer_idx: int,
+        layer_idx: jax.Array | int,
         q: jax.Array,
         k: jax.Array,
         v: jax.Array,

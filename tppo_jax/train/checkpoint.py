@@ -62,6 +62,10 @@ ITEMS = ("policy", "value", "policy_opt", "value_opt", "slots", "kv_cache", "pol
 # Items a save refuses to write when they hold NaN or inf (a diverged run's params).
 FINITE_ITEMS = ("policy", "value", "policy_ema")
 DAMAGED = ".damaged"  # suffix of a step set aside by a resume (Orbax ignores the folder)
+# How the models' params are laid out, written into every checkpoint's metadata: decoder
+# layers stacked on a leading axis (models/transformer.py). A checkpoint without it was written
+# with one subtree per layer, which no template of this version matches.
+PARAM_LAYOUT = "stacked-layers"
 
 
 class CheckpointError(RuntimeError):
@@ -113,7 +117,7 @@ class Checkpointer:
             log.error("checkpoint at step %d skipped: non-finite values in %s", step, bad)
             return False
         args = {k: ocp.args.StandardSave(tree) for k, tree in trees.items()}
-        args["meta"] = ocp.args.JsonSave(meta)
+        args["meta"] = ocp.args.JsonSave({**meta, "param_layout": PARAM_LAYOUT})
         threads = set(threading.enumerate())
         hook, sys.unraisablehook = sys.unraisablehook, _ignore_closed_loops(sys.unraisablehook)
         _ABSL.addFilter(_QUIET)
@@ -180,6 +184,7 @@ class Checkpointer:
             return None
         failures = []
         for step in steps:
+            self.check_layout(step)
             why = self._problems(step, None, lambda s=step: self.restore(s, templates))
             if isinstance(why, tuple):
                 return (step, *why)
@@ -222,6 +227,23 @@ class Checkpointer:
             return why
         return out
 
+    def check_layout(self, step: int) -> None:
+        """``CheckpointError`` (one line) when step ``step`` holds params in an older layout
+        (per-layer decoder params, before the layers were stacked): no restore of this
+        version can read it, and it is not damaged, so it is neither skipped nor set aside.
+        A step whose metadata cannot be read is left to verification."""
+        try:
+            meta = self.mngr.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+        except Exception:
+            return
+        if meta.get("param_layout") != PARAM_LAYOUT:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} holds per-layer decoder params "
+                f"(written before layers were stacked for lax.scan); this version reads only "
+                f"the stacked layout: start a new run (or export it with the version that "
+                f"wrote it)")
+
     def _set_aside(self, step: int) -> None:
         """Renames a damaged step out of Orbax's sight, keeping it for inspection."""
         if mh.is_primary():
@@ -254,6 +276,7 @@ class Checkpointer:
             return None
         failures = []
         for s in steps:
+            self.check_layout(s)
             why = self._problems(s, (name,),
                                lambda s=s: (self.restore_item(s, name, template),))
             if isinstance(why, tuple):

@@ -73,10 +73,11 @@ def pretrain_key(cfg: Config) -> str:
     data = {k: v for k, v in keyed_data(cfg).items() if k != "eval_size"}
     start = warmstart_key(cfg) if cfg.model.source == "tiny" else cfg.model.path
     model = model_key(cfg, with_lora=True)  # a LoRA critic trains otherwise
+    # "v": the cache's format; 2 = stacked decoder layers (a v1 cache holds per-layer params).
     blob = json.dumps({"start": start, "model": model, "data": data, "reward": d["reward"],
                        "rollout": rollout, "algo": {k: d["algo"][k] for k in _ALGO_KEYS},
                        "optim": {k: d["optim"][k] for k in _OPTIM_KEYS},
-                       "seed": cfg.train.seed, "v": 1}, sort_keys=True)
+                       "seed": cfg.train.seed, "v": 2}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
