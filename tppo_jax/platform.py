@@ -131,6 +131,11 @@ def abstract_devices(topo: Topology) -> list[Any]:
     """The slice's devices as the TPU compiler sees them (no TPU needed, one process for any
     number of hosts)."""
     require_tpu_compiler()
+    import os
+
+    # Compiling touches no chip: several compiles (a test run, another user of this
+    # machine) may load libtpu at once instead of waiting on its lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     try:

@@ -37,8 +37,11 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the commands (a shell script) instead of running them")
     p.add_argument("--force", action="store_true",
-                   help="launch even when the config does not fit the slice's HBM (compiled "
-                        "plan where libtpu is installed, else the arithmetic plan)")
+                   help="launch even when the config does not fit the slice's HBM")
+    p.add_argument("--plan", choices=("auto", "compiled", "arithmetic"), default="auto",
+                   help="how the fit is checked: compiled by the TPU compiler (tppo plan "
+                        "--compile, --stop-early), the arithmetic plan, or auto: compiled "
+                        "where libtpu is installed")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides passed to tppo train")
 
@@ -66,10 +69,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, args.overrides)
         validate(cfg, num_devices=tpu.chips)
         resolve_mesh(cfg, tpu.chips)
-        if not args.force:
-            why = fit_refusal(cfg, tpu.name, config_name=args.config)
-            if why:
-                raise LaunchError(f"{why} (--force launches anyway)")
         if args.bucket and not args.bucket.startswith("gs://"):
             raise LaunchError(f"--bucket must look like gs://BUCKET, got {args.bucket!r}")
         name = validate_name(args.name or default_name(args.config, tpu))
@@ -81,24 +80,32 @@ def cmd_launch(args: argparse.Namespace) -> int:
             best_effort=args.best_effort, repo=args.repo, overrides=tuple(args.overrides),
             resume=args.resume, keep=args.keep)
         steps = build_steps(spec)
+        # Last, after the cheap checks: the compiled plan takes a while.
+        if not args.force:
+            why = fit_refusal(cfg, tpu.name, config_name=args.config, plan=args.plan)
+            if why:
+                raise LaunchError(f"{why} (--force launches anyway)")
         if args.dry_run:
             print(render(spec, steps), end="")
             return 0
         timeout = args.wait_timeout or (86400.0 if queued else 3600.0)
         return run_steps(spec, steps, wait_timeout_s=timeout)
-    except LaunchError as e:
+    except (LaunchError, ValueError) as e:  # ConfigError, TopologyError: one line
         print(f"tppo launch: {e}", file=sys.stderr)
         return 2
 
 
-def fit_refusal(cfg, tpu_type: str, *, config_name: str = "") -> str | None:
+def fit_refusal(cfg, tpu_type: str, *, config_name: str = "", plan: str = "auto") -> str | None:
     """One line saying why ``cfg`` does not fit ``tpu_type``, or None when it fits: the
-    compiled plan (``tppo_jax.compile``) where libtpu is installed, else the arithmetic one."""
+    compiled plan (``tppo_jax.compile``, stopping at the first program that does not fit;
+    ``plan="auto"``: where libtpu is installed), else the arithmetic one."""
     from tppo_jax.launch import GIB
     from tppo_jax.plan import plan_memory
-    from tppo_jax.platform import libtpu_version, parse_topology
+    from tppo_jax.platform import libtpu_version, parse_topology, require_tpu_compiler
 
-    if libtpu_version() is not None:
+    if plan == "compiled":
+        require_tpu_compiler()
+    if plan == "compiled" or (plan == "auto" and libtpu_version() is not None):
         from tppo_jax.compile import compile_plan, refusal
 
         return refusal(compile_plan(cfg, parse_topology(tpu_type), stop_early=True,
