@@ -111,6 +111,19 @@ class SlotState:
 MAX_IDLE_STEPS = 3
 
 
+def make_engine(model: nnx.Module, rollout: RolloutConfig, *, eos_ids: tuple[int, ...],
+                sampling: SamplingParams, seed: int = 0, mesh: Any = None) -> DecodeEngine:
+    """The rollout's ``DecodeEngine`` for ``rollout``: ``slots`` slots of prompt + L
+    positions; a dense cache laid out on ``mesh``, a paged pool off it (single-host)."""
+    r = rollout
+    kind = kv_slots.resolve_kind(r.kv_cache)
+    return DecodeEngine(model, eos_ids=eos_ids, max_slots=r.slots,
+                        max_target_length=r.max_prompt_len + r.max_response_len,
+                        max_new_tokens=r.max_response_len, kv_cache=kind,
+                        page_size=r.page_size, num_pages=r.num_pages, sampling=sampling,
+                        seed=seed, mesh=mesh if kind == "dense" else None)
+
+
 class TruncatedRolloutScheduler:
     """B slots, window ``l``, max response ``L`` (``K = ceil(L / l)`` windows per sequence).
 
@@ -152,11 +165,8 @@ class TruncatedRolloutScheduler:
         self.S = r.max_prompt_len + r.max_response_len
         self.kv_policy = r.kv_policy
         self.mesh = mesh
-        self.engine = DecodeEngine(model, eos_ids=eos_ids, max_slots=r.slots,
-                                   max_target_length=self.S, max_new_tokens=self.L,
-                                   kv_cache=kv_cache, page_size=r.page_size,
-                                   num_pages=r.num_pages, sampling=sampling, seed=seed,
-                                   mesh=mesh if kv_cache == "dense" else None)
+        self.engine = make_engine(model, r, eos_ids=eos_ids, sampling=sampling, seed=seed,
+                                  mesh=mesh)
         self.ds = self.engine.init_decode_state()
         self.state = SlotState.empty(self.B, self.S)
         self.examples: dict[int, MathExample] = {}
