@@ -5,6 +5,7 @@ fewer cells on T-PPO's continuations."""
 import argparse
 
 import pytest
+
 from tppo_jax.benchmarks import update_split
 
 

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+
 from tppo_jax.benchmarks.cost_model import (
     Counts,
     Units,
@@ -17,7 +18,6 @@ from tppo_jax.benchmarks.cost_model import (
     speedup_at,
     step_costs,
 )
-
 from tppo_jax.plan import Arch
 
 
@@ -228,7 +228,6 @@ def test_cpu_check_replays_the_window_the_measured_run_had(tmp_path):
     """The CPU check replays the T-PPO run's own window (its ``config.yaml``), not the
     config's current one; without a config in the run dir, the given default."""
     from tppo_jax.benchmarks.cost_model import run_window
-
     from tppo_jax.config import load_config
 
     run = tmp_path / "tppo-seed0"
@@ -244,7 +243,6 @@ def test_paper_scale_takes_its_units_from_a_compiled_json(tmp_path):
     import argparse
 
     from tppo_jax.benchmarks.cost_model import add_args, paper_scale
-
     from tppo_jax.plan import ARCHITECTURES
 
     path = tmp_path / "compiled.json"

@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+
 from tppo_jax.benchmarks import xla_cost
 from tppo_jax.benchmarks.accelerator import decoding_engine, window_decode
-
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.rollout.sampling import sample
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+
 from tppo_jax.benchmarks.intensity import schedule_occupancy
 
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tppo_jax.kernels.attention import CausalMask, attention, resolve_impl
 
+from tppo_jax.kernels.attention import CausalMask, attention, resolve_impl
 from tppo_jax.models.transformer import ModelConfig, Transformer
 
 # (batch, queries, keys, q heads, kv heads, head dim, block, real keys per row or None)

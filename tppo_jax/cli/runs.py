@@ -276,9 +276,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     refuse_benchmark_options(args)
     from tppo_jax.data.prompts import prompt_builder
     from tppo_jax.data.run_data import prompt_rows
+    from tppo_jax.eval.diagnose import no_answer_warning, protocol_tag
     from tppo_jax.eval.heldout import EvalEngines, evaluate
     from tppo_jax.eval.protocol import protocol_named
-    from tppo_jax.eval.diagnose import no_answer_warning, protocol_tag
     from tppo_jax.rewards.grader import MathGrader, answer_format_for
     from tppo_jax.rollout.decode import SamplingParams
 
