@@ -152,6 +152,7 @@ def test_limit_and_greedy_only_write_their_own_file(bench_files, scripted, monke
     assert report["metrics"]["greedy_accuracy"] == 50.0
 
 
+@pytest.mark.slow  # ~6 s in one process on 2 shared cores
 def test_a_hub_model_on_a_named_benchmark_offline(tmp_path, monkeypatch, capsys):
     """Real decoding: ``gsm8k`` read from the datasets cache an online load leaves, the model
     ``owner/tiny`` from the HF hub cache, nothing on the network."""

@@ -79,6 +79,7 @@ def test_adapter_einsums_span_input_then_output_dims():
     assert (o.a, o.b, o.w) == ("btnd,ndr->btr", "btr,rh->bth", "ndr,rh->ndh")
 
 
+@pytest.mark.slow  # ~9 s in one process on 2 shared cores
 def test_fresh_adapters_leave_every_forward_exactly_as_it_was():
     tok = tokens()
     base = tiny()
@@ -163,6 +164,7 @@ def test_split_and_join_are_inverse_and_share_leaves():
                                       strict=True))
 
 
+@pytest.mark.slow  # ~6 s in one process on 2 shared cores
 def test_adapters_are_placed_like_their_base_on_a_mesh(devices8):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     tok = tokens(4, 8)
@@ -193,6 +195,7 @@ def _batch(rows: int, width: int) -> dict:
 
 
 @pytest.mark.parametrize("kl_coef", [0.0, 0.5])
+@pytest.mark.slow  # ~6 s in one process on 2 shared cores
 def test_policy_update_trains_only_the_adapters(kl_coef):
     graphdef, state = nnx.split(add_lora(tiny(), ALL, seed=0))
     params = nnx.to_pure_dict(state)
@@ -223,6 +226,7 @@ def test_policy_update_trains_only_the_adapters(kl_coef):
     assert (float(stats["kl_ref"]) == 0.0) if kl_coef else ("kl_ref" not in stats)
 
 
+@pytest.mark.slow  # ~7 s in one process on 2 shared cores
 def test_value_update_trains_adapters_and_head():
     graphdef, state = nnx.split(add_lora(ValueModel(ModelConfig.tiny(vocab_size=32),
                                                     rngs=nnx.Rngs(0)), ALL))
@@ -242,6 +246,7 @@ def test_value_update_trains_adapters_and_head():
                                   start["backbone"]["layers"]["mlp"]["up"])
 
 
+@pytest.mark.slow  # ~13 s in one process on 2 shared cores
 def test_policy_update_on_a_mesh_matches_the_unsharded_one(devices8):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     model = moved(add_lora(tiny(), ALL, seed=4), by=0.01)  # B != 0: A gets gradients too

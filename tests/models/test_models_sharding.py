@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -21,6 +22,7 @@ def test_every_param_has_logical_axes():
         assert axes is not None and len(axes) == var[...].ndim, path
 
 
+@pytest.mark.slow  # ~7 s in one process on 2 shared cores
 def test_sharded_model_matches_unsharded(devices8):
     cfg = ModelConfig.tiny(vocab_size=V, tie_embeddings=False, num_layers=2)
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
@@ -41,6 +43,7 @@ def test_sharded_model_matches_unsharded(devices8):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+@pytest.mark.slow  # ~8 s in one process on 2 shared cores
 def test_sharded_value_model_and_cache(devices8):
     cfg = ModelConfig.tiny(vocab_size=V, num_layers=2)
     mesh = make_mesh({"fsdp": 4, "tensor": 2})

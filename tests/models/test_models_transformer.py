@@ -113,6 +113,7 @@ def test_bad_config():
         ModelConfig.tiny(remat_policy="everything")
 
 
+@pytest.mark.slow  # ~7 s in one process on 2 shared cores
 def test_remat_gives_same_gradients():
     cfg = ModelConfig.tiny(vocab_size=V, num_layers=1)
     tok = _tokens(2, 6)

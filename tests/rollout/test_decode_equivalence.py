@@ -62,6 +62,7 @@ def _check(ref, got: list[list[int]]) -> None:
 
 
 @pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+@pytest.mark.slow  # ~10 s in one process on 2 shared cores
 def test_training_scheduler_matches_transformers(case, kv_cache):
     model, ref = case
     rows = ref["rows"]
@@ -81,6 +82,7 @@ def test_training_scheduler_matches_transformers(case, kv_cache):
     _check(ref, [got[i] for i in range(len(rows))])
 
 
+@pytest.mark.slow  # ~10 s in one process on 2 shared cores
 def test_jetstream_api_matches_transformers(case):
     """prefill -> insert -> generate one token at a time, 3 slots, slots reused as requests
     finish (what JetStream's orchestrator does for ``tppo serve``)."""

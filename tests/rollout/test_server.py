@@ -63,6 +63,7 @@ def server(tmp_path):
             proc.wait(timeout=30)
 
 
+@pytest.mark.slow  # ~9 s in one process on 2 shared cores
 def test_serve_stream_reject_and_stop(server, capsys):
     proc, port, log = server
     assert main(["generate", "--grpc", "--port", str(port), "--max-tokens", "12",
@@ -92,6 +93,7 @@ def test_serve_stream_reject_and_stop(server, capsys):
     assert "stopped" in text and "Traceback" not in text
 
 
+@pytest.mark.slow  # ~8 s in one process on 2 shared cores
 def test_hundred_concurrent_streams_plus_malformed(server):
     """100 concurrent streamed requests and a burst of malformed ones: every valid request
     completes with tokens, every malformed one gets INVALID_ARGUMENT, and the server still

@@ -28,6 +28,7 @@ def _decode(model, mesh=None):
     return np.asarray(out.tokens), np.asarray(out.logprobs)
 
 
+@pytest.mark.slow  # ~12 s in one process on 2 shared cores
 def test_sharded_greedy_decode_equals_unsharded(devices8):
     want = _decode(create_model(CFG, seed=0))
     mesh = make_mesh({"fsdp": 4, "tensor": 2})

@@ -81,6 +81,7 @@ def _run(mesh):
 
 
 @pytest.mark.parametrize("shape", [{"fsdp": 4, "tensor": 2}, {"data": 8}])
+@pytest.mark.slow  # ~39 s in one process on 2 shared cores
 def test_sharded_update_equals_unsharded(devices8, shape):
     want, _ = _run(None)
     mesh = make_mesh(shape)
