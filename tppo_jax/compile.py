@@ -151,10 +151,13 @@ def _rows_batch(keys: Sequence[str], rows: int, width: int, sharding: Any) -> di
 
 
 def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
-                   hosts: int = 1) -> tuple[list[Program], dict[str, int], dict[str, Any]]:
+                   hosts: int = 1, widest: bool = False
+                   ) -> tuple[list[Program], dict[str, int], dict[str, Any]]:
     """``(programs, live state bytes per chip by name, facts)`` of one step of ``cfg`` on
     ``mesh`` (abstract devices of a slice of ``hosts`` hosts). ``only``: the kinds to build
-    (default all)."""
+    (default all), in this order; ``widest``: the row-group programs at the widest width
+    bucket only (their peak: every group holds about the same token cells, and attention
+    grows with the width)."""
     from tppo_jax.eval.heldout import EvalEngines, decode_and_grade
     from tppo_jax.eval.protocol import run_protocol
     from tppo_jax.parallel.mesh import data_parallel_size, layout_rules
@@ -182,7 +185,7 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     b, s = r.slots, r.max_prompt_len + r.max_response_len
     unit = data_parallel_size(mesh)
     max_rows = max_group_rows(b, o.minibatches, o.grad_accum)
-    widths = width_buckets(s)
+    widths = width_buckets(s)[-1:] if widest else width_buckets(s)
 
     live = {"policy_params": per_chip_bytes(pparams), "policy_opt": per_chip_bytes(popt),
             "value_params": per_chip_bytes(vparams), "value_opt": per_chip_bytes(vopt)}
@@ -304,6 +307,9 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
             partial(ee.lowered, "generate_window", eds, ep, p.max_tokens, eslot(jnp.int32),
                     eslot(jnp.bool_)),
             {"slots": eb, "window": p.max_tokens}, held_roll))
+    if only:
+        order = {k: i for i, k in enumerate(only)}
+        programs.sort(key=lambda p: order[p.kind])
     return programs, live, facts
 
 
@@ -363,11 +369,14 @@ def compile_program(p: Program, live: dict[str, int], hbm: int) -> dict[str, Any
 
 
 def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = None,
-                 stop_early: bool = False, config_name: str = "",
-                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                 stop_early: bool = False, widest: bool = False, config_name: str = "",
+                 progress: Callable[[str], None] | None = None,
+                 out: str | None = None) -> dict[str, Any]:
     """Builds and compiles every program of a step of ``cfg`` for ``topo``; the report (JSON
-    data). ``only``: program kinds (``KINDS``); ``stop_early``: stop at the first program that
-    does not fit. Raises ``TopologyError`` / ``ConfigError`` (one line) on bad input."""
+    data). ``only``: program kinds (``KINDS``), compiled in that order; ``stop_early``: stop at
+    the first program that does not fit; ``widest``: see ``build_programs``; ``out``: the
+    report is written there after every program (a long compile keeps what it has done).
+    Raises ``TopologyError`` / ``ConfigError`` (one line) on bad input."""
     from tppo_jax.parallel.mesh import make_mesh
     from tppo_jax.plan import resolve_mesh
 
@@ -379,28 +388,35 @@ def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = No
     validate(cfg, num_devices=len(devices), num_processes=topo.hosts)
     mesh = make_mesh(sizes, devices)
     t0 = time.perf_counter()
-    programs, live, facts = build_programs(cfg, mesh, only, hosts=topo.hosts)
-    records = []
+    programs, live, facts = build_programs(cfg, mesh, only, hosts=topo.hosts, widest=widest)
+    records: list[dict[str, Any]] = []
+
+    def report() -> dict[str, Any]:
+        worst = max(records, key=lambda r: r.get("resident", math.inf), default=None)
+        return {
+            "config": config_name, "topology": topo.name, "topology_desc": topo.topology_name,
+            "chips": topo.chips, "hosts": topo.hosts, "hbm_per_chip": topo.hbm_bytes,
+            "hbm_gib": round(topo.hbm_bytes / GIB, 2), "mesh": sizes,
+            "model": models_summary(cfg), **facts,
+            "jax": jax.__version__, "libtpu": libtpu_version(),
+            "live": live, "live_gib": round(sum(live.values()) / GIB, 3),
+            "programs": records, "compile_s": round(time.perf_counter() - t0, 1),
+            "fits": all(r["fits"] for r in records) and len(records) == len(programs),
+            "worst": worst["name"] if worst else None, "widest_only": widest,
+            "complete": len(records) == len(programs),
+            "not_compiled": [p.name for p in programs[len(records):]],
+        }
+
     for p in programs:
         if progress:
             progress(p.name)
         rec = compile_program(p, live, topo.hbm_bytes)
         records.append(rec)
+        if out:
+            write_report(report(), out)
         if stop_early and not rec["fits"]:
             break
-    worst = max((r for r in records), key=lambda r: r.get("resident", math.inf), default=None)
-    fits = all(r["fits"] for r in records) and len(records) == len(programs)
-    return {
-        "config": config_name, "topology": topo.name, "topology_desc": topo.topology_name,
-        "chips": topo.chips, "hosts": topo.hosts, "hbm_per_chip": topo.hbm_bytes,
-        "hbm_gib": round(topo.hbm_bytes / GIB, 2), "mesh": sizes,
-        "model": models_summary(cfg), **facts,
-        "jax": jax.__version__, "libtpu": libtpu_version(),
-        "live": live, "live_gib": round(sum(live.values()) / GIB, 3),
-        "programs": records, "compile_s": round(time.perf_counter() - t0, 1),
-        "fits": fits, "worst": worst["name"] if worst else None,
-        "complete": len(records) == len(programs),
-    }
+    return report()
 
 
 def models_summary(cfg: Config) -> dict[str, Any]:

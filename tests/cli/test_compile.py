@@ -94,3 +94,24 @@ def test_launch_refuses_what_does_not_fit(capsys):
     assert "--force" in err[-1]
     assert cli.main([*argv, "--force"]) == 0
     assert "tpu-vm create" in capsys.readouterr().out
+
+
+def test_plan_layout_agrees_with_the_compile_paths_state(devices8):
+    """The arithmetic plan's params and AdamW rows equal the per-chip bytes of the abstract
+    state the compile path lays out (an fp32 model: AdamW m + v are 8 B/param either way;
+    the optimizers' step counts are a few replicated bytes)."""
+    from tppo_jax.compile import abstract_models, abstract_opt_state, per_chip_bytes
+    from tppo_jax.config import load_config
+    from tppo_jax.parallel.mesh import make_mesh
+    from tppo_jax.plan import plan_memory
+    from tppo_jax.train.step import make_optimizer
+
+    cfg = load_config("smoke", ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"])
+    mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, devices8)
+    m = abstract_models(cfg, mesh)
+    rows = plan_memory(cfg, "v5litepod-8")["rows"]
+    for kind in ("policy", "value"):
+        params = m[kind][1]
+        assert rows[f"{kind} params"] == per_chip_bytes(params)
+        opt = per_chip_bytes(abstract_opt_state(make_optimizer(1e-4, cfg.optim), params, mesh))
+        assert 0 <= opt - rows[f"{kind} optimizer"] <= 64

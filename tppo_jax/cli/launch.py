@@ -134,6 +134,9 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                         "policy_apply, value_update, value_apply, targets, rollout, eval)")
     p.add_argument("--stop-early", action="store_true",
                    help="--compile: stop at the first program that does not fit")
+    p.add_argument("--widest", action="store_true",
+                   help="--compile: the row-group programs at the widest width bucket only "
+                        "(their peak; a long model's compiles take minutes each)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
@@ -159,17 +162,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _compile(cfg, args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tppo_jax.compile import compile_plan, format_report, refusal, write_report
+    from tppo_jax.compile import compile_plan, format_report, refusal
     from tppo_jax.platform import parse_topology
 
     topo = parse_topology(args.topology)
     only = [k.strip() for k in args.programs.split(",")] if args.programs else None
     name = Path(args.config).stem
-    report = compile_plan(cfg, topo, only=only, stop_early=args.stop_early, config_name=name,
+    report = compile_plan(cfg, topo, only=only, stop_early=args.stop_early,
+                          widest=args.widest, config_name=name, out=args.out,
                           progress=lambda n: print(f"compiling {n}", file=sys.stderr,
                                                    flush=True))
-    if args.out:
-        write_report(report, args.out)
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     why = refusal(report)
     if why:
