@@ -230,6 +230,10 @@ class RewardConfig:
     verify_timeout_s: int | None = 1  # math-verify's own (SIGALRM) timeout; null = off
     max_tasks_per_child: int = 500  # recycle a grading worker after this many items
     crash_retries: int = 1  # re-grade an item this often when its worker dies
+    # A reward function instead of math-verify: "package.module:function", called as
+    # fn(prompt, completion, row) -> float or {"reward", "correct", "reason"} in the grading
+    # workers with the deadlines above (rewards/custom.py); null = math-verify.
+    fn: str | None = None
     # A no-signal control (tppo bench learning): each step's graded rewards and verdicts are
     # permuted across its finished rows before any update sees them. Never for a real run.
     shuffle_control: bool = False

@@ -243,9 +243,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     refuse_benchmark_options(args)
     from tppo_jax.data.prompts import prompt_builder
     from tppo_jax.data.run_data import prompt_rows
+    from tppo_jax.eval.diagnose import no_answer_warning, protocol_tag
     from tppo_jax.eval.heldout import EvalEngines, evaluate
     from tppo_jax.eval.protocol import protocol_named
-    from tppo_jax.eval.diagnose import no_answer_warning, protocol_tag
     from tppo_jax.rewards.grader import MathGrader, answer_format_for
     from tppo_jax.rollout.decode import SamplingParams
 
@@ -296,7 +296,7 @@ def _show_samples(policy, tok, rows, prompts, grader, sampling, lens, engines,
     responses = generate_answers(policy, tok, [prompts.ids(e, tok) for e in rows],
                                  sampling=sampling, engines=engines, **lens)
     texts = [tok.decode(r) for r in responses]
-    graded = grader.grade(texts, [e.answer for e in rows])
+    graded = grader.grade(texts, [e.answer for e in rows], rows)
     for e, text, reason, reward in zip(rows, texts, graded.reasons, graded.rewards,
                                        strict=True):
         found = extract_answer(text, answer_format=answer_format)
