@@ -1,7 +1,7 @@
 """The documentation stays true to the code: the config page lists exactly the config's
 fields with their defaults, the README stays a short user's document that states CI's test
-command, and no relative link in the docs points at a missing file, and every source path named in the
-docs or a config comment exists."""
+command, no relative link in the docs points at a missing file, and every source path
+named in the docs or a config comment exists."""
 
 from __future__ import annotations
 
