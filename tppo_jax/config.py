@@ -201,6 +201,9 @@ class DataConfig:
     max_steps: int = 12  # synthetic task: most steps (days) a problem has
     style: Literal["chain", "daily"] = "chain"  # synthetic: "daily" = short question, long answer
     eval_size: int = 128
+    # A separate held-out file (or folder / Hub id, read with the same format and fields):
+    # its first eval_size rows are the held-out set and every data.source row trains.
+    eval_source: str | None = None
     seed: int = 0
     # Prompts (data/prompts.py): the user message ("{question}" = the row's text; null = the
     # format's default), a system turn, and whether the tokenizer's chat template is used.
