@@ -142,6 +142,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress: b
                          state.step)
                 break
         after = heldout_eval(run, state) if not preempted else None
+        if after is not None:
+            run.metrics.write_eval(state.step, "after", after)
         # With a policy average, the live policy's numbers too: what the average changed.
         live = (heldout_eval(run, state, live=True)
                 if after is not None and state.policy_ema is not None else None)
@@ -249,7 +251,7 @@ def log_step(run: Run, state: TrainState, roll: Rollout, upd: Update,
     c_roll, c_upd, t0 = roll.c_roll, upd.c_upd, roll.t0
     row = run.metrics.write(state.step, {
         "reward_mean": tot["reward"] / nfin,
-        "accuracy": tot["correct"] / nfin,
+        "accuracy": 100.0 * tot["correct"] / nfin,  # percent, as every accuracy
         "finished_frac": tot["fin"] / tot["rows"],
         "finished": int(tot["fin"]),
         "response_len_mean": tot["resp_len"] / nfin,
@@ -300,6 +302,7 @@ def maybe_evaluate(run: Run, state: TrainState, train_time: float, last_eval: fl
         return False, last_eval
     res = heldout_eval(run, state)  # identical on every host
     run.metrics.write(state.step, {f"eval_{k}": v for k, v in res.items()})
+    run.metrics.write_eval(state.step, "during", res, loggers=False)
     return tc.target_accuracy is not None and res["accuracy"] >= tc.target_accuracy, train_time
 
 

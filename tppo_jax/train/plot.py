@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-PANELS = (("reward_mean", "reward"), ("accuracy", "train accuracy (finished rows)"),
+PANELS = (("reward_mean", "reward"), ("accuracy", "train accuracy (finished rows, %)"),
           ("response_len_mean", "response length (finished)"), ("occupancy", "slot occupancy"))
 
 
