@@ -3,6 +3,8 @@ raw points, and the smoothing stated in the figure."""
 
 import json
 
+import pytest
+
 from tppo_jax.train.plot import PANELS, plot_runs, read_evals
 
 
@@ -40,3 +42,14 @@ def test_plot_panels_evals_and_smoothing_note(tmp_path, monkeypatch):
     assert all("moving mean over 2 step" in t for t in titles)
     assert drawn["held-out accuracy (%)"] == [[5.0, 25.0], [7.0, 30.0]]  # raw, not smoothed
     assert drawn["train accuracy (finished rows, %)"] == [[10.0, 15.0, 25.0]]  # mean of 2
+
+
+def test_scheduled_lrs_warm_up_then_hold():
+    from tppo_jax.config import load_config
+    from tppo_jax.train.step import scheduled_lrs
+
+    cfg = load_config(None, ["optim.warmup_steps=2", "optim.policy_lr=1e-3",
+                             "optim.value_lr=2e-3"])
+    first, later = scheduled_lrs(cfg.optim, 1), scheduled_lrs(cfg.optim, 10)
+    assert 0 < first["lr_policy"] < 0.9e-3  # still warming up after step 1 of 2
+    assert later["lr_policy"] == pytest.approx(1e-3) and later["lr_value"] == pytest.approx(2e-3)

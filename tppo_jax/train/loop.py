@@ -46,6 +46,7 @@ from tppo_jax.train.resume import checkpoint_meta, checkpoint_trees
 from tppo_jax.train.run_dir import mirror
 from tppo_jax.train.setup import Run, setup
 from tppo_jax.train.state import TrainState
+from tppo_jax.train.step import scheduled_lrs
 from tppo_jax.train.update import plan_cells
 from tppo_jax.train.value_pretrain import pretrain_value
 
@@ -257,6 +258,7 @@ def log_step(run: Run, state: TrainState, roll: Rollout, upd: Update,
         "response_len_mean": tot["resp_len"] / nfin,
         "response_len_max": int(top["resp_len"]),
         "occupancy": tot["tokens"] / max(1.0, run.cfg.rollout.slots * top["window"]),
+        **scheduled_lrs(run.cfg.optim, state.step),
         "policy_loss": float(pstats.get("policy_loss", 0.0)),
         "value_loss": float(vstats["value_loss"]),
         **{k: float(v) for k, v in pstats.items() if k != "policy_loss"},
