@@ -1,6 +1,7 @@
 """The documentation stays true to the code: the config page lists exactly the config's
 fields with their defaults, the README stays a short user's document that states CI's test
-command, and no relative link in the docs points at a missing file."""
+command, no relative link in the docs points at a missing file, and every source path
+named in the docs or a config comment exists."""
 
 from __future__ import annotations
 
@@ -131,3 +132,30 @@ def test_results_holds_exactly_the_files_the_docs_cite():
     assert uncited == [], "files in results/ that no doc cites (remove them; git keeps them)"
     missing = sorted(f for f in cited if f not in present)
     assert missing == [], "docs cite results/ files that do not exist"
+
+
+# A source file named in a doc (in backticks) or a config comment: `rewards/grader.py`.
+SOURCE_PATH = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.(?:py|ipynb))\b")
+
+
+def _named_paths_missing(text: str, base: Path) -> list[str]:
+    roots = (ROOT, ROOT / "tppo_jax", ROOT / "tests", base)
+    missing = []
+    for name in sorted(set(SOURCE_PATH.findall(text))):
+        if "/" not in name:
+            continue  # a bare file name (setup.py of a pip error, a user's script) is prose
+        if not any((r / name).exists() for r in roots):
+            missing.append(name)
+    return missing
+
+
+@pytest.mark.parametrize("doc", [*_doc_files(), *sorted((ROOT / "tppo_jax" / "configs").glob("*.yaml"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_source_paths_named_in_docs_and_config_comments_exist(doc: Path):
+    text = doc.read_text()
+    if doc.suffix == ".md":
+        text = " ".join(re.findall(r"`([^`\n]+)`", text))  # code spans name files
+    else:
+        text = "\n".join(line.partition("#")[2] for line in text.splitlines())  # comments
+    assert _named_paths_missing(text, doc.parent) == [], f"{doc.relative_to(ROOT)} names " \
+        "files that do not exist"

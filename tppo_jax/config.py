@@ -205,6 +205,9 @@ class DataConfig:
     max_steps: int = 12  # synthetic task: most steps (days) a problem has
     style: Literal["chain", "daily"] = "chain"  # synthetic: "daily" = short question, long answer
     eval_size: int = 128
+    # A separate held-out file (or folder / Hub id, read with the same format and fields):
+    # its first eval_size rows are the held-out set and every data.source row trains.
+    eval_source: str | None = None
     seed: int = 0
     # Prompts (data/prompts.py): the user message ("{question}" = the row's text; null = the
     # format's default), a system turn, and whether the tokenizer's chat template is used.
@@ -234,6 +237,10 @@ class RewardConfig:
     verify_timeout_s: int | None = 1  # math-verify's own (SIGALRM) timeout; null = off
     max_tasks_per_child: int = 500  # recycle a grading worker after this many items
     crash_retries: int = 1  # re-grade an item this often when its worker dies
+    # A reward function instead of math-verify: "package.module:function", called as
+    # fn(prompt, completion, row) -> float or {"reward", "correct", "reason"} in the grading
+    # workers with the deadlines above (rewards/custom.py); null = math-verify.
+    fn: str | None = None
     # A no-signal control (tppo bench learning): each step's graded rewards and verdicts are
     # permuted across its finished rows before any update sees them. Never for a real run.
     shuffle_control: bool = False

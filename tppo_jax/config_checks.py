@@ -150,6 +150,8 @@ RANGES: dict[str, Range] = {
 FREE_TEXT = frozenset({
     "model.path", "model.value_path", "data.source", "data.fields", "data.prompt_template",
     "data.system_prompt", "checkpoint.dir", "train.compile_cache",
+    "data.eval_source",  # read (one-line DataError when it cannot be) as data.source is
+    "reward.fn",  # imported (and refused in one line) when the grader starts: rewards/custom.py
     "data.hf_config", "data.split", "data.hf_revision",  # the names' shape: _check_hub_names
     "model.lora_targets",  # projection names: parse_lora_targets
     "logging.wandb_project", "logging.wandb_name", "logging.wandb_entity",  # wandb's to judge

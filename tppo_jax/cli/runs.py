@@ -329,7 +329,7 @@ def _show_samples(policy, tok, rows, prompts, grader, sampling, lens, engines,
     responses = generate_answers(policy, tok, [prompts.ids(e, tok) for e in rows],
                                  sampling=sampling, engines=engines, **lens)
     texts = [tok.decode(r) for r in responses]
-    graded = grader.grade(texts, [e.answer for e in rows])
+    graded = grader.grade(texts, [e.answer for e in rows], rows)
     for e, text, reason, reward in zip(rows, texts, graded.reasons, graded.rewards,
                                        strict=True):
         found = extract_answer(text, answer_format=answer_format)

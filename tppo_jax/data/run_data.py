@@ -33,15 +33,27 @@ def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample]]:
     if d.source == "synthetic":
         task = synthetic_task(cfg)
         return task.sample(20000, "train"), task.sample(d.eval_size, "test")
-    rows, report = read_source(d.source, format=d.format, fields=d.fields or None,
+    rows = _read(cfg, d.source)
+    if d.eval_source:  # a separate held-out file: every source row trains
+        return rows, _read(cfg, d.eval_source)[:d.eval_size]
+    if len(rows) <= d.eval_size:
+        raise ConfigError(
+            f"data.source {d.source} has {len(rows)} rows; the last data.eval_size="
+            f"{d.eval_size} are held out, so it needs more: set data.eval_size="
+            f"{max(1, len(rows) // 5)} (a smaller held-out set) or data.eval_source=FILE "
+            f"(a separate held-out file)")
+    return rows[:-d.eval_size], rows[-d.eval_size:]
+
+
+def _read(cfg: Config, source: str) -> list[MathExample]:
+    """The rows of ``source`` read as ``cfg.data`` says (format, fields, bad-row policy)."""
+    d = cfg.data
+    rows, report = read_source(source, format=d.format, fields=d.fields or None,
                                on_bad_row=d.on_bad_row, split=d.split, hf_config=d.hf_config,
                                hf_revision=d.hf_revision)
     if report.num_bad:
-        log.warning("data: skipped %d bad rows of %s", report.num_bad, d.source)
-    if len(rows) <= d.eval_size:
-        raise ConfigError(f"data.source {d.source} has {len(rows)} rows; need more than "
-                          f"data.eval_size={d.eval_size}")
-    return rows[:-d.eval_size], rows[-d.eval_size:]
+        log.warning("data: skipped %d bad rows of %s", report.num_bad, source)
+    return rows
 
 
 def prompt_rows(cfg: Config, tok: Tokenizer

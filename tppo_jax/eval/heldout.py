@@ -134,7 +134,8 @@ def decode_and_grade(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathE
                                  max_response_len=max_response_len, sampling=sampling, seed=seed,
                                  mesh=mesh, engines=engines, batch_size=batch_size)
     texts = [tok.decode(r) for r in responses]
-    graded = grader.grade(texts, [e.answer for e in mine for _ in range(k)])
+    graded = grader.grade(texts, [e.answer for e in mine for _ in range(k)],
+                          [e for e in mine for _ in range(k)])
     codes = np.array([REASONS.index(r) for r in graded.reasons], np.int64).reshape(len(mine), k)
     steps = (mh.gather_rows(np.array([verify_solution(t).all_valid for t in texts], bool))
              if check_steps else None)

@@ -53,6 +53,7 @@ def eval_before(run: Run, state: TrainState) -> dict[str, Any]:
             run.eval_before = json.loads((run.run_dir / "eval_before.json").read_text())
         else:
             run.eval_before = heldout_eval(run, state)
+            run.metrics.write_eval(state.step, "before", run.eval_before)
             _warn_no_answer(run)
     if run.primary:
         (run.run_dir / "eval_before.json").write_text(json.dumps(run.eval_before))

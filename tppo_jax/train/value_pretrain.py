@@ -140,7 +140,8 @@ def _pretrain(run: Run, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
         tot = mh.sum_over_hosts({"fin": len(roll.fin), "correct": roll.correct.sum()})
         row = {"step": i + 1, "explained_variance": float(stats.get("explained_variance", 0.0)),
                "value_loss": float(stats.get("value_loss", 0.0)),
-               "accuracy": tot["correct"] / max(tot["fin"], 1.0), "finished": int(tot["fin"]),
+               "accuracy": 100.0 * tot["correct"] / max(tot["fin"], 1.0),
+               "finished": int(tot["fin"]),
                "seconds": time.time() - t0}
         curve.append(row)
         bar.set_postfix(ev=f"{row['explained_variance']:.2f}")
