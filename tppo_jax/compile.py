@@ -160,7 +160,7 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     grows with the width)."""
     from tppo_jax.eval.heldout import EvalEngines, decode_and_grade
     from tppo_jax.eval.protocol import run_protocol
-    from tppo_jax.parallel.mesh import data_parallel_size, layout_rules
+    from tppo_jax.parallel.mesh import data_parallel_size, decode_mesh, layout_rules
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.rollout.engine import EngineParams
     from tppo_jax.rollout.scheduler import make_engine
@@ -249,11 +249,14 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
                                 partial(tg.finish.lower, values, batch),
                                 {"rows": b, "width": s}, ()))
 
-    # Rollout: the scheduler's engine (paged pools are made off the mesh: replicated).
+    # Rollout: the scheduler's engine (paged pools are made off the mesh: replicated), on
+    # the decode mesh (mesh.decode_tensor: tensor-parallel replicas) or the training mesh.
+    dmesh = decode_mesh(mesh, cfg.mesh.decode_tensor) if cfg.mesh.decode_tensor else mesh
+    rows_sh, rep = batch_spec(dmesh), NamedSharding(dmesh, PartitionSpec())
     rollout_params = pparams
     if cfg.mesh.decode_layout == "decode":
         from tppo_jax.models.transformer import param_shardings
-        dec = nnx.to_pure_dict(param_shardings(models["policy_state"], mesh,
+        dec = nnx.to_pure_dict(param_shardings(models["policy_state"], dmesh,
                                                rules=layout_rules("decode")))
         rollout_params = jax.tree.map(_sds, pparams, dec)
         live["decode_copy"] = per_chip_bytes(rollout_params)
@@ -262,8 +265,8 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     # ``auto`` as it resolves on the slice, not on this machine: paged on one TPU host
     kv = r.kv_cache if r.kv_cache != "auto" else ("paged" if hosts == 1 else "dense")
     engine = make_engine(policy, replace(r, kv_cache=kv), eos_ids=(0,), sampling=sampling,
-                         seed=cfg.train.seed, mesh=mesh)
-    ds = _on_mesh(jax.eval_shape(engine.init_decode_state), mesh)
+                         seed=cfg.train.seed, mesh=dmesh)
+    ds = _on_mesh(jax.eval_shape(engine.init_decode_state), dmesh)
     live["kv_cache"] = per_chip_bytes(ds.cache)
     facts["kv_cache"] = engine.kv_cache
     ep = EngineParams(state=nnx.state(policy), version=jax.ShapeDtypeStruct((), jnp.int32,
@@ -291,8 +294,8 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
         p = run_protocol(cfg)
         eb = inspect.signature(decode_and_grade).parameters["batch_size"].default
         es = r.max_prompt_len + p.max_tokens
-        ee = EvalEngines().get(policy, (0,), eb, es, p.sampling or sampling, mesh)
-        eds = _on_mesh(jax.eval_shape(ee.init_decode_state), mesh)
+        ee = EvalEngines().get(policy, (0,), eb, es, p.sampling or sampling, dmesh)
+        eds = _on_mesh(jax.eval_shape(ee.init_decode_state), dmesh)
         ew = bucket_width(r.max_prompt_len, es)
         eslot = lambda dt: jax.ShapeDtypeStruct((eb,), dt, sharding=rows_sh)  # noqa: E731
         etoks = jax.ShapeDtypeStruct((eb, ew), jnp.int32, sharding=rows_sh)
