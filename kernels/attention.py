@@ -20,9 +20,10 @@ row) gets a uniform softmax over every key instead of NaNs, as ``MASK_VALUE`` gi
              ids, so every real query sees exactly the keys "dense" gives it.
   "cudnn"    ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, bf16/fp16, no
              query offset); padding as ``key_value_seq_lengths``, i.e. right padding only.
-  "auto"     splash on TPU, cudnn on GPU where it applies (chunked otherwise), and on CPU dense
-             while ``T * S <= AUTO_DENSE_MAX`` (small shapes stay bit-identical to the dense
-             path) and chunked beyond.
+  "auto"     splash on TPU under a mesh context (``jax.set_mesh``; chunked without one),
+             cudnn on GPU where it applies (chunked otherwise), and on CPU dense while
+             ``T * S <= AUTO_DENSE_MAX`` (small shapes stay bit-identical to the dense path)
+             and chunked beyond.
 Softmax statistics are float32 in every implementation; "splash" scales q before the kernel
 (the kernel applies no scale).
 """
@@ -124,7 +125,8 @@ def resolve_impl(impl: str, q: jax.Array, k: jax.Array, mask: CausalMask,
         return impl
     platform = platform or jax.default_backend()
     if platform == "tpu":
-        return "splash"
+        # without a mesh context a multi-chip program could not partition the kernel
+        return "splash" if _under_project_mesh() else "chunked"
     if platform in ("gpu", "cuda", "rocm") and _cudnn_applies(q, mask):
         return "cudnn"
     if platform == "cpu" and q.shape[1] * k.shape[1] <= AUTO_DENSE_MAX:
@@ -268,13 +270,19 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 # -------------------------------------------------------------------------------- splash
 
 
+def _under_project_mesh() -> bool:
+    """Whether tracing runs under ``jax.set_mesh`` of a (data, fsdp, tensor) mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and set(MESH_AXES) <= set(mesh.axis_names)
+
+
 def _splash(q, k, v, mask: CausalMask, block_size: int, interpret: bool) -> jax.Array:
     """Splash attention. Under a mesh context (``jax.set_mesh``) with the project's axes it
     runs per shard in ``shard_map`` (rows over the batch axes, heads over the head axes): the
     partitioner cannot split a Mosaic kernel by itself."""
     valid = jnp.ones(k.shape[:2], bool) if mask.kv_valid is None else mask.kv_valid.astype(bool)
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or not set(MESH_AXES) <= set(mesh.axis_names):
+    if not _under_project_mesh() or mesh.size == 1:
         return _splash_local(q, k, v, valid, mask.q_offset, block_size, interpret)
     row = named_sharding(mesh, ("batch",), valid.shape[:1]).spec[0]
     heads = named_sharding(mesh, ("heads",), q.shape[2:3]).spec[0]
