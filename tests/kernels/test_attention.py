@@ -10,6 +10,7 @@ from flax import nnx
 
 from tppo_jax.kernels.attention import CausalMask, attention, resolve_impl
 from tppo_jax.models.transformer import ModelConfig, Transformer
+from tppo_jax.parallel.mesh import make_mesh
 
 # (batch, queries, keys, q heads, kv heads, head dim, block, real keys per row or None)
 CASES = [
@@ -65,7 +66,9 @@ def test_auto_on_cpu_is_the_dense_path_bit_for_bit_for_short_sequences():
                                   attention(q, k, v, mask, "dense"))
     long_q = jax.ShapeDtypeStruct((1, 2048, 2, 8), jnp.float32)
     assert resolve_impl("auto", long_q, long_q, mask, platform="cpu") == "chunked"
-    assert resolve_impl("auto", q, k, mask, platform="tpu") == "splash"
+    assert resolve_impl("auto", q, k, mask, platform="tpu") == "chunked"  # no mesh context
+    with jax.set_mesh(make_mesh({"data": 1}, devices=jax.devices()[:1])):
+        assert resolve_impl("auto", q, k, mask, platform="tpu") == "splash"
     assert resolve_impl("auto", q, k, mask, platform="gpu") == "chunked"  # float32: no cuDNN
     assert resolve_impl("auto", q.astype(jnp.bfloat16), k, mask, platform="gpu") == "cudnn"
 

@@ -20,9 +20,10 @@ row) gets a uniform softmax over every key instead of NaNs, as ``MASK_VALUE`` gi
              ids, so every real query sees exactly the keys "dense" gives it.
   "cudnn"    ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, bf16/fp16, no
              query offset); padding as ``key_value_seq_lengths``, i.e. right padding only.
-  "auto"     splash on TPU, cudnn on GPU where it applies (chunked otherwise), and on CPU dense
-             while ``T * S <= AUTO_DENSE_MAX`` (small shapes stay bit-identical to the dense
-             path) and chunked beyond.
+  "auto"     splash on TPU under a mesh context (``jax.set_mesh``; chunked without one),
+             cudnn on GPU where it applies (chunked otherwise), and on CPU dense while
+             ``T * S <= AUTO_DENSE_MAX`` (small shapes stay bit-identical to the dense path)
+             and chunked beyond.
 Softmax statistics are float32 in every implementation; "splash" scales q before the kernel
 (the kernel applies no scale).
 """
@@ -35,6 +36,9 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import PartitionSpec
+
+from tppo_jax.parallel.mesh import MESH_AXES, named_sharding
 
 Impl = Literal["auto", "dense", "chunked", "splash", "cudnn"]
 IMPLS: tuple[str, ...] = get_args(Impl)
@@ -121,7 +125,8 @@ def resolve_impl(impl: str, q: jax.Array, k: jax.Array, mask: CausalMask,
         return impl
     platform = platform or jax.default_backend()
     if platform == "tpu":
-        return "splash"
+        # without a mesh context a multi-chip program could not partition the kernel
+        return "splash" if _under_project_mesh() else "chunked"
     if platform in ("gpu", "cuda", "rocm") and _cudnn_applies(q, mask):
         return "cudnn"
     if platform == "cpu" and q.shape[1] * k.shape[1] <= AUTO_DENSE_MAX:
@@ -265,20 +270,45 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 # -------------------------------------------------------------------------------- splash
 
 
+def _under_project_mesh() -> bool:
+    """Whether tracing runs under ``jax.set_mesh`` of a (data, fsdp, tensor) mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and set(MESH_AXES) <= set(mesh.axis_names)
+
+
 def _splash(q, k, v, mask: CausalMask, block_size: int, interpret: bool) -> jax.Array:
-    """Splash attention, vmapped over rows; ``T`` and ``S`` are padded to the block size."""
+    """Splash attention. Under a mesh context (``jax.set_mesh``) with the project's axes it
+    runs per shard in ``shard_map`` (rows over the batch axes, heads over the head axes): the
+    partitioner cannot split a Mosaic kernel by itself."""
+    valid = jnp.ones(k.shape[:2], bool) if mask.kv_valid is None else mask.kv_valid.astype(bool)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not _under_project_mesh() or mesh.size == 1:
+        return _splash_local(q, k, v, valid, mask.q_offset, block_size, interpret)
+    row = named_sharding(mesh, ("batch",), valid.shape[:1]).spec[0]
+    heads = named_sharding(mesh, ("heads",), q.shape[2:3]).spec[0]
+    if heads != named_sharding(mesh, ("kv_heads",), k.shape[2:3]).spec[0]:
+        heads = None  # q and kv heads must split alike for each shard's GQA groups
+    qkv = PartitionSpec(row, None, heads, None)
+    local = functools.partial(_splash_local, q_offset=mask.q_offset, block_size=block_size,
+                              interpret=interpret)
+    return jax.shard_map(local, mesh=mesh, in_specs=(qkv, qkv, qkv, PartitionSpec(row, None)),
+                         out_specs=qkv, check_vma=False)(q, k, v, valid)
+
+
+def _splash_local(q, k, v, valid, q_offset: int, block_size: int, interpret: bool
+                  ) -> jax.Array:
+    """Splash attention on one shard, vmapped over rows; ``T`` and ``S`` padded to a block."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     b, t, hq, d = q.shape
     s = k.shape[1]
     block = min(block_size, max(128, -(-max(t, s) // 128) * 128))
     tp, sp = -(-t // block) * block, -(-s // block) * block
-    valid = jnp.ones((b, s), bool) if mask.kv_valid is None else mask.kv_valid.astype(bool)
     # Every query is segment 1 and a key is 1 iff valid: a query then sees exactly its valid
     # causal keys. Block padding is segment 0 on the key side and cut from the output.
     kv_seg = jnp.pad(valid.astype(jnp.int32), ((0, 0), (0, sp - s)))
     q_seg = jnp.ones((b, tp), jnp.int32)
-    heads = sa.MultiHeadMask([sa.CausalMask((tp, sp), offset=mask.q_offset)] * hq)
+    heads = sa.MultiHeadMask([sa.CausalMask((tp, sp), offset=q_offset)] * hq)
     sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                           block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                           block_q_dq=block, block_kv_dq=block)
