@@ -29,6 +29,7 @@ when every program's ``resident`` is within the chip's HBM. A program the compil
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -94,7 +95,9 @@ def model_config(cfg: Config) -> Any:
     a = resolve_arch(cfg)
     m = cfg.model
     remat = m.remat or m.source == "tiny"
-    return a.model_config(dtype=m.dtype, remat=remat,
+    # The target is a TPU: ``auto`` is splash there (traced under the mesh, see below)
+    attention = "splash" if m.attention == "auto" else m.attention
+    return a.model_config(dtype=m.dtype, remat=remat, attention=attention,
                           max_position_embeddings=max(m.max_seq_len, cfg.rollout.max_prompt_len
                                                       + cfg.rollout.max_response_len))
 
@@ -401,6 +404,7 @@ def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = No
             "chips": topo.chips, "hosts": topo.hosts, "hbm_per_chip": topo.hbm_bytes,
             "hbm_gib": round(topo.hbm_bytes / GIB, 2), "mesh": sizes,
             "model": models_summary(cfg), **facts,
+            "attention": model_config(cfg).attention,
             "jax": jax.__version__, "libtpu": libtpu_version(),
             "live": live, "live_gib": round(sum(live.values()) / GIB, 3),
             "programs": records, "compile_s": round(time.perf_counter() - t0, 1),
@@ -413,7 +417,11 @@ def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = No
     for p in programs:
         if progress:
             progress(p.name)
-        rec = compile_program(p, live, topo.hbm_bytes)
+        # The training programs trace under the mesh, as splash attention needs to run per
+        # shard; rollout and eval decode through the KV cache (and may use the decode mesh).
+        with (jax.set_mesh(mesh) if p.kind not in ("rollout", "eval")
+              else contextlib.nullcontext()):
+            rec = compile_program(p, live, topo.hbm_bytes)
         records.append(rec)
         if out:
             write_report(report(), out)
