@@ -128,7 +128,8 @@ def setup(cfg: Config, run_dir: str | Path, *, resume: bool, progress: bool,
     validate(cfg, num_devices=jax.device_count(), num_processes=jax.process_count())
     enable_compile_cache(cfg.train.compile_cache)
     rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
-    stack.callback(claim_run_dir(rd, resume))  # released last: after every file is closed
+    # Released last: after every file is closed.
+    stack.callback(claim_run_dir(rd, resume, train_steps=cfg.train.steps))
     ckpt = Checkpointer(rd.checkpoints, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
     try:
         out = _build(cfg, rd, ckpt, resume, progress, stack)
