@@ -205,3 +205,12 @@ def test_a_paged_pool_too_small_for_one_prompt_is_refused() -> None:
     load_config(None, [*base, "rollout.num_pages=0"])  # 0: sized for every slot
     with pytest.raises(ConfigError, match="value_pretrain_steps"):  # a full-length window
         load_config(None, [*base, "rollout.num_pages=5", "algo.value_pretrain_steps=2"])
+
+
+@pytest.mark.parametrize("value", ["3", "[a, b]", "{x: y}", "true"])
+def test_a_data_fields_value_that_is_not_text_is_refused(value: str) -> None:
+    """Issue 49 "Also": a non-string data.fields value was coerced into a path."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"data.fields={{question: {value}}}"])
+    assert "data.fields.question must be a field name" in str(e.value)
+    assert "\n" not in str(e.value)
