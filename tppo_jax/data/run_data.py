@@ -41,7 +41,23 @@ def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample]]:
     if len(rows) <= d.eval_size:
         raise ConfigError(f"data.source {d.source} has {len(rows)} rows; need more than "
                           f"data.eval_size={d.eval_size}")
-    return rows[:-d.eval_size], rows[-d.eval_size:]
+    train, held_out = disjoint(rows[:-d.eval_size], rows[-d.eval_size:])
+    return train, held_out
+
+
+def disjoint(train: list[MathExample], held_out: list[MathExample]
+             ) -> tuple[list[MathExample], list[MathExample]]:
+    """``(train, held_out)`` with every training row whose question is also a held-out
+    question dropped (counted in a warning): a held-out score on questions the run trained
+    on measures memory, not reasoning."""
+    seen = {" ".join(e.question.split()) for e in held_out}
+    kept = [e for e in train if " ".join(e.question.split()) not in seen]
+    if len(kept) < len(train):
+        log.warning("data: dropped %d training rows whose question is also held out",
+                    len(train) - len(kept))
+    if not kept:
+        raise ConfigError("data: every training row's question is also held out")
+    return kept, held_out
 
 
 def prompt_rows(cfg: Config, tok: Tokenizer
@@ -59,5 +75,13 @@ def prompt_rows(cfg: Config, tok: Tokenizer
     if not fits:
         raise ConfigError(f"every prompt is longer than rollout.max_prompt_len="
                           f"{r.max_prompt_len} tokens")
-    eval_rows = [e for e in eval_rows if len(encode(e)) <= r.max_prompt_len] or eval_rows
+    eval_fits = [e for e in eval_rows if len(encode(e)) <= r.max_prompt_len]
+    if len(eval_fits) < len(eval_rows):
+        log.warning("data: dropped %d of %d held-out prompts longer than "
+                    "rollout.max_prompt_len=%d", len(eval_rows) - len(eval_fits),
+                    len(eval_rows), r.max_prompt_len)
+    if not eval_fits:
+        raise ConfigError(f"every held-out prompt is longer than rollout.max_prompt_len="
+                          f"{r.max_prompt_len} tokens")
+    eval_rows = eval_fits
     return fits, eval_rows, encode
