@@ -41,6 +41,7 @@ def claim_run_dir(rd: RunDir, resume: bool, *, check: bool = True,
     problem = None
     if mh.is_primary():
         try:
+            check_writable(rd.local)
             releases.append(lock_run_dir(rd.local))
             if check:
                 start_problem(rd, resume)
@@ -61,6 +62,31 @@ def claim_run_dir(rd: RunDir, resume: bool, *, check: bool = True,
         release()
         raise RunDirError(problems[0])
     return release
+
+
+MIN_FREE_BYTES = 64 << 20  # below this a run cannot write one checkpoint of the tiny model
+
+
+def check_writable(folder: Path) -> None:
+    """``RunDirError`` (one line) when ``folder`` cannot be created or written, or its disk
+    has under ``MIN_FREE_BYTES`` free: said before any work, not as a traceback later."""
+    import os
+    import shutil
+
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"cannot create the run dir {folder}: {e.strerror or e}; choose "
+                          f"another --run-dir or fix access") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise RunDirError(f"cannot write the run dir {folder} (permission denied); choose "
+                          f"another --run-dir or fix access")
+    free = shutil.disk_usage(folder).free
+    if free < MIN_FREE_BYTES:
+        raise RunDirError(f"disk full under {folder}: {free >> 20} MiB free, a run needs at "
+                          f"least {MIN_FREE_BYTES >> 20} MiB; free space, or choose another "
+                          f"--run-dir")
 
 
 def finished_problem(rd: RunDir, train_steps: int) -> None:
