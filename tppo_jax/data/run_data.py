@@ -60,11 +60,13 @@ def disjoint(train: list[MathExample], held_out: list[MathExample]
     return kept, held_out
 
 
-def prompt_rows(cfg: Config, tok: Tokenizer
+def prompt_rows(cfg: Config, tok: Tokenizer,
+                rows: tuple[list[MathExample], list[MathExample]] | None = None
                 ) -> tuple[list[MathExample], list[MathExample], Callable]:
-    """(train rows, held-out rows, prompt encoder), rows whose prompt does not fit dropped."""
+    """(train rows, held-out rows, prompt encoder), rows whose prompt does not fit dropped;
+    ``rows``: ``load_data(cfg)`` when the caller read it already."""
     r = cfg.rollout
-    train_rows, eval_rows = load_data(cfg)
+    train_rows, eval_rows = rows if rows is not None else load_data(cfg)
     prompter = prompt_builder(cfg, tok)
     encode = lambda e: prompter.ids(e, tok)  # noqa: E731
     # A truncated prompt loses its question, so over-long prompts are skipped, not cut.

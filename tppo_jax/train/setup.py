@@ -22,7 +22,7 @@ from flax import nnx
 from tppo_jax.config import Config, ConfigError, validate
 from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.data.readers import MathExample
-from tppo_jax.data.run_data import prompt_rows
+from tppo_jax.data.run_data import load_data, prompt_rows
 from tppo_jax.eval.heldout import EvalEngines
 from tppo_jax.models.lora import add_lora, lora_spec
 from tppo_jax.models.tokenizer import Tokenizer
@@ -151,8 +151,9 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
     progress = progress and cfg.logging.progress
     m, r = cfg.mesh, cfg.rollout
     mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
+    rows = load_data(cfg)  # read and checked before a warm-start or model load costs time
     models = load_models(cfg, rd.local, progress, mesh)
-    train_rows, eval_rows, encode = prompt_rows(cfg, models.tokenizer)
+    train_rows, eval_rows, encode = prompt_rows(cfg, models.tokenizer, rows)
     pipeline = PromptPipeline(train_rows, batch_size=1, seed=cfg.data.seed,
                               shard_index=jax.process_index(), shard_count=jax.process_count())
     run = Run(cfg, rd, mesh, models, train_rows, eval_rows, encode, pipeline,
