@@ -149,7 +149,10 @@ def _named_paths_missing(text: str, base: Path) -> list[str]:
     return missing
 
 
-@pytest.mark.parametrize("doc", [*_doc_files(), *sorted((ROOT / "tppo_jax" / "configs").glob("*.yaml"))],
+CONFIG_FILES = sorted((ROOT / "tppo_jax" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("doc", [*_doc_files(), *CONFIG_FILES],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_source_paths_named_in_docs_and_config_comments_exist(doc: Path):
     text = doc.read_text()

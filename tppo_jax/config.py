@@ -362,7 +362,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {quote(value)}")
-        return {str(k): str(v) for k, v in value.items()}
+        bad = next((k for k, v in value.items() if not isinstance(v, str)), None)
+        if bad is not None:  # coerced, a number or a list would be a path that is no key
+            raise ConfigError(f"{where}.{bad} must be a field name (text, dotted for nested "
+                              f"keys), got {quote(value[bad])}")
+        return {str(k): v for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {quote(value)}")

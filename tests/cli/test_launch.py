@@ -233,3 +233,22 @@ def test_run_on_pod_script():
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2 and "run_on_pod.sh" in usage.stderr
     assert not (ROOT / "launch" / "__init__.py").exists()
+
+
+@pytest.mark.parametrize(("run_dir", "where"), [("/abs/path", "t:/abs/path"),
+                                                ("runs/x", "t:~/tppo-jax/runs/x")])
+def test_copy_back_path_and_the_delete_does_not_depend_on_the_copy(capsys, run_dir, where):
+    """Issue 49 L6: an absolute --run-dir gave `~/tppo-jax//abs/path`, the copy failed and
+    the TPU was left up."""
+    spec = _spec(run_dir=run_dir)
+    ran: list[list[str]] = []
+
+    def runner(argv):
+        ran.append(list(argv))
+        return 3 if "scp" in argv and "--recurse" in argv else 0  # the copy back fails
+
+    rc = run_steps(spec, build_steps(spec), runner=runner, capture=lambda argv: (0, "READY"))
+    copy = next(a for a in ran if "--recurse" in a)
+    assert where in copy
+    assert rc == 1 and ran[-1][:5] == ["gcloud", "compute", "tpus", "tpu-vm", "delete"]
+    assert "copy results from worker 0) failed: exit code 3" in capsys.readouterr().err

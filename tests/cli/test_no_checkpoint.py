@@ -2,6 +2,7 @@
 refuse in one line instead of using the untrained starting policy as "step 0"; ``--start``
 asks for the starting policy explicitly."""
 
+import os
 import shutil
 from pathlib import Path
 
@@ -64,4 +65,7 @@ def test_export_start_exports_the_starting_policy_when_asked(tmp_path, capsys):
     assert main(["export", str(run), str(tmp_path / "out")]) == 2
     assert main(["export", str(run), str(tmp_path / "out"), "--start"]) == 0
     assert "exported the starting policy to" in capsys.readouterr().out
-    assert (tmp_path / "out" / "model.safetensors").is_file()
+    # Issue 49 "Also": the weights are readable as the umask allows (safetensors wrote 0600).
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert (tmp_path / "out" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask

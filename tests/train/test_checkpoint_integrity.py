@@ -212,3 +212,17 @@ def test_restored_params_are_checked_finite_even_when_verified(tmp_path, caplog)
         assert ck.restore_latest(_trees(0.0))[0] == 2  # a resume
     assert "non-finite values in policy" in caplog.text
     ck.close()
+
+
+@pytest.mark.parametrize("text", ["[]", '{"files": []}', '{"files": {"a": 3}}', "null"])
+def test_a_manifest_of_the_wrong_shape_is_damage(tmp_path, text):
+    # Issue 49 L3: a manifest that is `[]` raised AttributeError instead of "damaged".
+    ck = _two_steps(tmp_path)
+    (tmp_path / "ckpt" / "2" / MANIFEST).write_text(text)
+    problems = ck.verify(2)
+    if text == "null":  # JSON null reads as no manifest: restored only when finite
+        assert problems is None
+    else:
+        assert problems == [f"(step) {MANIFEST}: not a manifest of files (damaged)"]
+        assert ck.restore_latest(_trees(0.0))[0] == 1
+    ck.close()

@@ -155,6 +155,19 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True,
     return cfg, tok, nnx.merge(pdef, template), step or 0, tok_file
 
 
+def writable_parent(path: Path, what: str) -> None:
+    """Refuses, in one line, an output path whose folder is missing or not writable."""
+    import os
+
+    from tppo_jax.config import ConfigError
+
+    parent = path.parent if not path.is_dir() else path
+    if not parent.is_dir():
+        raise ConfigError(f"{what} {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {path}: cannot write in {parent} (permission denied)")
+
+
 def require_checkpoint(run_dir: Path, cfg: Config) -> None:
     """Refuses, in one line, a run with no checkpoint to load (none written, every one set
     aside as damaged, or a relative ``checkpoint.dir`` read from another working
@@ -285,8 +298,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if args.start and args.step is not None:
         raise ConfigError("tppo eval: --start and --step name different policies; give one")
+    if args.out is not None:  # before the eval, not after it
+        writable_parent(Path(args.out), "--out")
     cfg, tok, policy, step = (load_run_start(run_dir) if args.start
                               else load_run_policy(run_dir, args.step)[:4])
+    if args.out is None:
+        writable_parent(run_dir / "eval.json", "the run dir")
     cfg = with_eval_size(cfg, args.eval_size)
     _, eval_rows, encode = prompt_rows(cfg, tok)  # the rows and prompts the run evaluates
     prompts = prompt_builder(cfg, tok)
@@ -359,9 +376,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     from tppo_jax.models.hf import save_peft_adapter, save_pretrained, write_special_ids
     from tppo_jax.models.lora import merge_lora
 
+    out = Path(args.out)
+    # save_pretrained makes the missing folders: the nearest existing one must be writable.
+    writable_parent(next(p for p in (out, *out.parents) if p.exists()) / "x", "export to")
     cfg, tok, policy, step, tok_file = load_run_policy(Path(args.run_dir), args.step,
                                                        merge_lora=False, start=args.start)
-    out = Path(args.out)
     # The adapters alone (PEFT's layout), then merged weights; the start has no adapters.
     if cfg.model.lora_rank and not args.start:
         base = cfg.model.path if cfg.model.source == "hf" else None

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import pathlib
 from typing import Any
 
@@ -355,6 +356,7 @@ def save_pretrained(model: Transformer, path: str | pathlib.Path, *,
     total = sum(t.nbytes for t in tensors.values())
     if max_shard_bytes is None or total <= max_shard_bytes:
         save_file(tensors, str(path / "model.safetensors"), metadata=meta)
+        _as_umask_allows(path / "model.safetensors")
         return
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -368,9 +370,18 @@ def save_pretrained(model: Transformer, path: str | pathlib.Path, *,
     for n, shard in enumerate(shards, start=1):
         fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(path / fname), metadata=meta)
+        _as_umask_allows(path / fname)
         weight_map.update(dict.fromkeys(shard, fname))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _as_umask_allows(path: pathlib.Path) -> None:
+    """Gives ``path`` the mode a plain ``open`` would (0666 less the umask): safetensors
+    writes its files 0600, which other users' tools on a shared machine cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 # --------------------------------------------------------------------------- LoRA adapters
@@ -418,4 +429,5 @@ def save_peft_adapter(model: Transformer, path: str | pathlib.Path, *, alpha: fl
               "r": rank, "lora_alpha": alpha, "target_modules": targets, "lora_dropout": 0.0,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True}
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _as_umask_allows(path / "adapter_model.safetensors")
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

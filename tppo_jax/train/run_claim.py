@@ -31,17 +31,22 @@ RUN_ID = "run_id"  # RUN/run_id: the run's id, made at its first start
 OWNER = "OWNER"  # CHECKPOINTS/OWNER: {"run_id", "run_dir"} of the run whose folder it is
 
 
-def claim_run_dir(rd: RunDir, resume: bool, *, check: bool = True) -> Callable[[], None]:
+def claim_run_dir(rd: RunDir, resume: bool, *, check: bool = True,
+                  train_steps: int | None = None) -> Callable[[], None]:
     """Process 0 takes the run dir's lock (one writer) and (``check``) checks that this
-    start loses nothing (``start_problem``); every process gets its answer, so all stop or
-    none. Returns the function that lets go of the lock; ``RunDirError`` (one line) else."""
+    start loses nothing (``start_problem``, ``finished_problem`` with ``train_steps``) and
+    claims the checkpoint folder; every process gets its answer, so all stop or none.
+    Returns the function that lets go of the lock(s); ``RunDirError`` (one line) else."""
     releases: list[Callable[[], None]] = []
     problem = None
     if mh.is_primary():
         try:
+            check_writable(rd.local)
             releases.append(lock_run_dir(rd.local))
             if check:
                 start_problem(rd, resume)
+                if resume and train_steps is not None:
+                    finished_problem(rd, train_steps)
                 if _outside_run_dir(rd):  # one writer per checkpoint folder too
                     releases.append(lock_run_dir(Path(str(checkpoint_path(rd.checkpoints)))))
                 claim_checkpoints(rd)
@@ -57,6 +62,46 @@ def claim_run_dir(rd: RunDir, resume: bool, *, check: bool = True) -> Callable[[
         release()
         raise RunDirError(problems[0])
     return release
+
+
+MIN_FREE_BYTES = 64 << 20  # below this a run cannot write one checkpoint of the tiny model
+
+
+def check_writable(folder: Path) -> None:
+    """``RunDirError`` (one line) when ``folder`` cannot be created or written, or its disk
+    has under ``MIN_FREE_BYTES`` free: said before any work, not as a traceback later."""
+    import os
+    import shutil
+
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(f"cannot create the run dir {folder}: {e.strerror or e}; choose "
+                          f"another --run-dir or fix access") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise RunDirError(f"cannot write the run dir {folder} (permission denied); choose "
+                          f"another --run-dir or fix access")
+    free = shutil.disk_usage(folder).free
+    if free < MIN_FREE_BYTES:
+        raise RunDirError(f"disk full under {folder}: {free >> 20} MiB free, a run needs at "
+                          f"least {MIN_FREE_BYTES >> 20} MiB; free space, or choose another "
+                          f"--run-dir")
+
+
+def finished_problem(rd: RunDir, train_steps: int) -> None:
+    """``RunDirError`` when a resume has nothing to do: the run's latest checkpoint is at
+    (or past) ``train.steps``. Refused before anything is rewritten (config.yaml, evals,
+    summary.json)."""
+    steps, _ = listed_steps(rd.checkpoints)
+    if not steps or steps[0] < train_steps:
+        return
+    run = rd.remote or rd.local
+    if steps[0] == train_steps:
+        raise RunDirError(f"{run} is finished at step {steps[0]} (train.steps={train_steps}); "
+                          f"raise train.steps to continue")
+    raise RunDirError(f"{run} is at step {steps[0]}, past train.steps={train_steps}; raise "
+                      f"train.steps above {steps[0]} to continue")
 
 
 def _outside_run_dir(rd: RunDir) -> bool:

@@ -22,7 +22,7 @@ from flax import nnx
 from tppo_jax.config import Config, ConfigError, validate
 from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.data.readers import MathExample
-from tppo_jax.data.run_data import prompt_rows
+from tppo_jax.data.run_data import load_data, prompt_rows
 from tppo_jax.eval.heldout import EvalEngines
 from tppo_jax.models.lora import add_lora, lora_spec
 from tppo_jax.models.tokenizer import Tokenizer
@@ -129,7 +129,8 @@ def setup(cfg: Config, run_dir: str | Path, *, resume: bool, progress: bool,
     validate(cfg, num_devices=jax.device_count(), num_processes=jax.process_count())
     enable_compile_cache(cfg.train.compile_cache)
     rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
-    stack.callback(claim_run_dir(rd, resume))  # released last: after every file is closed
+    # Released last: after every file is closed.
+    stack.callback(claim_run_dir(rd, resume, train_steps=cfg.train.steps))
     ckpt = Checkpointer(rd.checkpoints, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
     try:
         out = _build(cfg, rd, ckpt, resume, progress, stack)
@@ -152,8 +153,9 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
     m, r = cfg.mesh, cfg.rollout
     mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
     dmesh = decode_mesh(mesh, m.decode_tensor) if m.decode_tensor else mesh
+    rows = load_data(cfg)  # read and checked before a warm-start or model load costs time
     models = load_models(cfg, rd.local, progress, mesh)
-    train_rows, eval_rows, encode = prompt_rows(cfg, models.tokenizer)
+    train_rows, eval_rows, encode = prompt_rows(cfg, models.tokenizer, rows)
     pipeline = PromptPipeline(train_rows, batch_size=1, seed=cfg.data.seed,
                               shard_index=jax.process_index(), shard_count=jax.process_count())
     run = Run(cfg, rd, mesh, dmesh, models, train_rows, eval_rows, encode, pipeline,
