@@ -42,7 +42,9 @@ def case(request):
     scale = ref["scale"]
 
     def scaled(path, x):  # the reference scales matrices; our biases are [heads, head_dim]
-        return x * scale if x.ndim > 1 and "_bias" not in jax.tree_util.keystr(path) else x
+        p = jax.tree_util.keystr(path)
+        nd = x.ndim - ("'layers'" in p)  # stacked layer params lead with [L]
+        return x * scale if nd > 1 and "_bias" not in p else x
 
     nnx.update(model, jax.tree_util.tree_map_with_path(scaled, nnx.state(model, nnx.Param)))
     return model, ref
