@@ -33,7 +33,7 @@ def timed_policy_module(run: Run, state: TrainState) -> tuple[nnx.Module, Reshar
     """``policy_module``, and with a decode layout how long its reshard took and how many
     bytes it copied (``None`` in the training layout: nothing moves)."""
     if run.decode_shardings is None:
-        return policy_module(run, state), None
+        return nnx.merge(run.models.policy_def, state.policy), None
     t0 = time.perf_counter()
     params = jax.block_until_ready(reshard(state.policy, run.decode_shardings))
     moved = Reshard(time.perf_counter() - t0,
