@@ -133,7 +133,8 @@ def test_scanned_layers_equal_a_python_loop_over_the_layers_and_unroll():
     the grad_from split, a cached prefill), with remat too; ``unroll_layers`` gives the same
     numbers with no loop in the program, and gradients agree to rounding (the scan's backward
     sums bias gradients in another order: ~1 ulp)."""
-    from tppo_jax.models.transformer import causal_padding_mask, layer_slice
+    from tppo_jax.kernels.attention import CausalMask
+    from tppo_jax.models.transformer import layer_slice
 
     cfg = ModelConfig.tiny(vocab_size=V, num_layers=3)
     m = Transformer(cfg, rngs=nnx.Rngs(5))
@@ -141,7 +142,7 @@ def test_scanned_layers_equal_a_python_loop_over_the_layers_and_unroll():
     bb = m.backbone
     x = jnp.take(bb.embed[...], tok, axis=0)
     pos = jnp.broadcast_to(jnp.arange(8)[None], (2, 8))
-    mask, inv = causal_padding_mask(None, 2, 8), rope_inv_freq(cfg)
+    mask, inv = CausalMask.from_attention_mask(None), rope_inv_freq(cfg)
     for i in range(cfg.num_layers):
         x = layer_slice(bb.layers, i)(x, pos, mask, inv)
     want = m.logits_from_hidden(bb.final_norm(x))

@@ -11,7 +11,7 @@ import sys
 
 def test_sigterm_stops_serve_with_a_closed_stdout(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "tppo_jax.cli", "serve", "--port", "0",
-                             "--slots", "1"], cwd=tmp_path, stdout=subprocess.PIPE,
+                             "--no-http", "--slots", "1"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
     try:

@@ -173,9 +173,11 @@ def _save_unchecked(ck, step, trees, meta, *, manifest):
     save's finite check, with or without its manifest."""
     import orbax.checkpoint as ocp
 
+    from tppo_jax.train.checkpoint import PARAM_LAYOUT
     from tppo_jax.train.manifest import write_manifest
 
     args = {k: ocp.args.StandardSave(t) for k, t in trees.items()}
+    meta = {**meta, "param_layout": PARAM_LAYOUT}
     ck.mngr.save(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(meta)),
                  force=True)
     ck.mngr.wait_until_finished()
