@@ -77,9 +77,9 @@ def test_decode_on_replicas_equals_the_training_layout(devices8):
     state = nnx.state(model)
     moved = reshard(nnx.to_pure_dict(state),
                     nnx.to_pure_dict(param_shardings(state, dmesh, rules=layout_rules("decode"))))
-    gate = moved["backbone"]["layers"][0]["mlp"]["gate"]
+    gate = moved["backbone"]["layers"]["mlp"]["gate"]  # [layers, embed, mlp]
     assert gate.sharding.mesh.shape["tensor"] == 2
-    assert gate.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
+    assert gate.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
     nnx.replace_by_pure_dict(state, moved)
     got = _decode(nnx.merge(nnx.graphdef(model), state), dmesh)
     np.testing.assert_array_equal(got[0], want[0])
