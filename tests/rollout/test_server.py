@@ -135,10 +135,10 @@ def test_hundred_concurrent_streams_plus_malformed(server):
             bads = [pool.submit(bad, r) for r in bad_requests * 3]
             counts = [f.result(timeout=300) for f in goods]
             codes = [f.result(timeout=120) for f in bads]
-        # Greedy: the streams of one prompt (i % 7) agree under concurrency, none passes
-        # max_tokens, and the model does answer (a prompt whose first token is EOS gives 0)
-        by_prompt = {i % 7: {counts[j] for j in range(i % 7, 100, 7)} for i in range(7)}
-        assert all(len(v) == 1 for v in by_prompt.values()), by_prompt
+        # None passes max_tokens and the model does answer. Streams of one prompt need not
+        # agree here: a random-init model's EOS can tie the next token to rounding, and the
+        # batch a request lands in changes the rounding (greedy equality across paths is
+        # checked one request at a time in tests/serve/test_openai.py)
         assert all(0 <= c <= 4 for c in counts) and sum(counts) > 0, counts
         assert all(c == grpc.StatusCode.INVALID_ARGUMENT for c in codes), codes
         health = stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=30)

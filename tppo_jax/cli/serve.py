@@ -32,6 +32,7 @@ from tppo_jax.cli.args import (
     positive_float,
     top_p,
 )
+from tppo_jax.cli.log import log_to_stderr
 
 log = logging.getLogger("tppo.serve")
 DEFAULT_PORT = 9000  # JetStream gRPC
@@ -175,8 +176,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if (err := _serve_arg_error(args, host)) is not None:
         return _refuse(err)
     # JetStream logs every decode step at INFO on the root logger; keep that for --verbose.
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s", force=True)
+    log_to_stderr(logging.DEBUG if args.verbose else logging.WARNING)
     cfg = load_config(args.config, args.overrides)
     r = cfg.rollout
     scratch = Path(tempfile.mkdtemp(prefix="tppo-serve-"))
