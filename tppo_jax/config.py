@@ -25,7 +25,8 @@ from tppo_jax.config_checks import ConfigError, quote, quote_name, validate
 __all__ = ["AlgoConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
            "LoggingConfig", "MeshConfig", "ModelSettings", "OptimConfig", "RewardConfig",
            "RolloutConfig", "TrainConfig", "configs_dir", "from_dict", "load_config",
-           "parse_override", "resolve_config_path", "safe_load_yaml", "validate"]
+           "parse_override", "read_config_file", "resolve_config_path", "safe_load_yaml",
+           "validate"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class ModelSettings:
     max_seq_len: int = 256
     dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False  # hf/gguf: recompute layers in the backward pass (less memory)
+    # training-forward attention (kernels/attention.py, docs/models.md): auto = splash on TPU,
+    # cuDNN on GPU, dense on CPU for short sequences and chunked (memory linear in T) beyond
+    attention: Literal["auto", "dense", "chunked", "splash", "cudnn"] = "auto"
     value_init: Literal["policy", "path", "random"] = "policy"
     value_path: str | None = None
     # LoRA (models/lora.py, docs/models.md): rank of the adapters trained in place of the
@@ -201,6 +205,9 @@ class DataConfig:
     max_steps: int = 12  # synthetic task: most steps (days) a problem has
     style: Literal["chain", "daily"] = "chain"  # synthetic: "daily" = short question, long answer
     eval_size: int = 128
+    # A separate held-out file (or folder / Hub id, read with the same format and fields):
+    # its first eval_size rows are the held-out set and every data.source row trains.
+    eval_source: str | None = None
     seed: int = 0
     # Prompts (data/prompts.py): the user message ("{question}" = the row's text; null = the
     # format's default), a system turn, and whether the tokenizer's chat template is used.
@@ -230,6 +237,10 @@ class RewardConfig:
     verify_timeout_s: int | None = 1  # math-verify's own (SIGALRM) timeout; null = off
     max_tasks_per_child: int = 500  # recycle a grading worker after this many items
     crash_retries: int = 1  # re-grade an item this often when its worker dies
+    # A reward function instead of math-verify: "package.module:function", called as
+    # fn(prompt, completion, row) -> float or {"reward", "correct", "reason"} in the grading
+    # workers with the deadlines above (rewards/custom.py); null = math-verify.
+    fn: str | None = None
     # A no-signal control (tppo bench learning): each step's graded rewards and verdicts are
     # permuted across its finished rows before any update sees them. Never for a real run.
     shuffle_control: bool = False
@@ -351,7 +362,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {quote(value)}")
-        return {str(k): str(v) for k, v in value.items()}
+        bad = next((k for k, v in value.items() if not isinstance(v, str)), None)
+        if bad is not None:  # coerced, a number or a list would be a path that is no key
+            raise ConfigError(f"{where}.{bad} must be a field name (text, dotted for nested "
+                              f"keys), got {quote(value[bad])}")
+        return {str(k): v for k, v in value.items()}
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true/false, got {quote(value)}")
@@ -432,27 +447,46 @@ MAX_CONFIG_BYTES = 1 << 20  # a config is a few KiB; anything near this is not o
 
 
 class _NoAliasLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` without aliases: ``*name`` repeats a node, and repeats of repeats
-    (a "billion laughs") grow a few hundred bytes into gigabytes. No config needs them."""
+    """``yaml.SafeLoader`` without aliases and without duplicate keys. ``*name`` repeats a
+    node, and repeats of repeats (a "billion laughs") grow a few hundred bytes into gigabytes;
+    no config needs them. A key given twice in one mapping (two ``rollout:`` sections) would
+    silently keep only the second."""
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise _AliasRefused(f"line {event.start_mark.line + 1}: YAML aliases "
-                                f"({quote('*' + str(event.anchor), 20)}) are not supported")
+            raise _YamlRefused(f"line {event.start_mark.line + 1}: YAML aliases "
+                               f"({quote('*' + str(event.anchor), 20)}) are not supported")
         return super().compose_node(parent, index)
 
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            first: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in first:
+                        raise _YamlRefused(f"duplicate key {quote_name(str(key))} at lines "
+                                           f"{first[key]} and {line}")
+                    first[key] = line
+                except TypeError:  # an unhashable key: the base class refuses it
+                    continue
+        return super().construct_mapping(node, deep=deep)
 
-class _AliasRefused(Exception):
+
+class _YamlRefused(Exception):
     pass
 
 
 def safe_load_yaml(text: str, where: str) -> Any:
-    """``yaml.safe_load`` with aliases refused; any failure is a one-line ``ConfigError``
-    that starts with ``where`` (the file, or the override's key)."""
+    """``yaml.safe_load`` with aliases and duplicate keys refused; any failure is a one-line
+    ``ConfigError`` that starts with ``where`` (the file, or the override's key)."""
     try:
         return yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506 - a SafeLoader subclass
-    except _AliasRefused as e:
+    except _YamlRefused as e:
         raise ConfigError(f"{where}: {e}") from None
     except (yaml.YAMLError, ValueError, RecursionError) as e:
         # ReaderError (e.g. a NUL byte) has no .problem; ValueError: an int over Python's
@@ -486,7 +520,7 @@ def read_config_text(path: Path) -> str:
 
 
 def configs_dir() -> Path:
-    """The shipped configs (``configs/`` in a checkout, ``tppo_jax.configs`` when installed)."""
+    """The shipped configs: the ``tppo_jax.configs`` package folder (``configs/`` links to it)."""
     import tppo_jax.configs as pkg
 
     return Path(pkg.__file__).parent
@@ -504,15 +538,51 @@ def resolve_config_path(name: str | Path) -> Path:
                       f"(shipped configs: {', '.join(known)})")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Loads a YAML config (default: the embedded ``default.yaml``), applies overrides,
-    validates, and returns a ``Config``."""
+def _base_path(base: Any, child: Path) -> Path:
+    """Where ``base: NAME`` in ``child`` points: a path beside ``child`` first, then a path
+    from the working directory or a shipped config's name."""
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{child}: 'base' must name a config (a shipped name or a path), "
+                          f"got {quote(base)}")
+    for cand in (child.parent / base, child.parent / f"{base}.yaml"):
+        if cand.is_file():
+            return cand
+    try:
+        return resolve_config_path(base)
+    except ConfigError as e:
+        raise ConfigError(f"{child}: 'base': {e}") from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A config file's sections with its ``base:`` chain merged in: each file is read, its
+    base (if any) read first, and the file's keys deep-merged over it (MaxText-style base +
+    overrides). A chain that returns to a file it already read is refused in one line."""
+    chain: list[Path] = []
+    layers: list[dict[str, Any]] = []
+    src = resolve_config_path(path)
+    while True:
+        key = src.resolve()
+        if key in chain:
+            names = " -> ".join(str(p.name) for p in [*chain, key])
+            raise ConfigError(f"config {quote_name(str(path))}: 'base' chain loops ({names})")
+        chain.append(key)
+        loaded = safe_load_yaml(read_config_text(src), str(src)) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{src}: top level must be a mapping of sections")
+        layers.append(loaded)
+        if "base" not in loaded:
+            break
+        src = _base_path(loaded.pop("base"), src)
     data: dict[str, Any] = {}
-    src = resolve_config_path(path if path is not None else "default")
-    loaded = safe_load_yaml(read_config_text(src), str(src)) or {}
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{src}: top level must be a mapping of sections")
-    data = _merge(data, loaded)
+    for layer in reversed(layers):
+        data = _merge(data, layer)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Loads a YAML config (default: the embedded ``default.yaml``) with its ``base:`` chain,
+    applies overrides, validates, and returns a ``Config``."""
+    data = read_config_file(path if path is not None else "default")
     for ov in overrides or []:
         data = _merge(data, parse_override(ov))
     return from_dict(data)

@@ -43,6 +43,10 @@ INT_MAX = 2**31 - 1
 # Seeds get small offsets added (value pretraining's, the critic's +1) and end up in
 # int64/uint32 PRNG seeds: this leaves room for both.
 SEED_MAX = 2**31 - 1
+# Token positions of one step's rollout batch (slots x (prompt + response)), summed over
+# hosts: each is a KV cache row per layer and a cell of every per-token array; past int32
+# the flat indices overflow (and no slice holds the arrays).
+MAX_TOKEN_CELLS = INT_MAX
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ NON_NEGATIVE = Range(0)
 UNIT = Range(0, 1)  # a fraction or a discount
 ANY = Range()  # any finite number (the loader already refuses nan/inf)
 SEED = Range(0, SEED_MAX)
+# Below 1e-3 the log-probs of T-scaled logits overflow to NaN; 0 samples greedily.
+TEMPERATURE = Range(1e-3, special=(0,), meaning="greedy")
 MESH_AXIS = Range(1, special=(-1,), meaning="the devices left over")
 
 # Every numeric field of every section, and what it may hold. A nullable field may also be
@@ -98,11 +104,13 @@ RANGES: dict[str, Range] = {
     "model.num_layers": POSITIVE, "model.num_heads": POSITIVE, "model.num_kv_heads": POSITIVE,
     "model.max_seq_len": POSITIVE, "model.lora_rank": NON_NEGATIVE,  # 0 = no LoRA
     "model.lora_alpha": POSITIVE,
-    "rollout.prompts_per_step": POSITIVE, "rollout.group_size": POSITIVE,
+    # Upper bounds: past them the rollout batch, the KV pages or the eval's samples outgrow
+    # any one machine's memory (a traceback deep in XLA, or a hang), see also _check_memory.
+    "rollout.prompts_per_step": Range(1, 65536), "rollout.group_size": Range(1, 1024),
     "rollout.max_prompt_len": POSITIVE, "rollout.max_response_len": POSITIVE,
-    "rollout.window": POSITIVE, "rollout.temperature": NON_NEGATIVE,
+    "rollout.window": POSITIVE, "rollout.temperature": TEMPERATURE,
     "rollout.top_p": Range(0, 1, lo_open=True), "rollout.top_k": NON_NEGATIVE,
-    "rollout.page_size": POSITIVE, "rollout.num_pages": NON_NEGATIVE,
+    "rollout.page_size": Range(1, 4096), "rollout.num_pages": NON_NEGATIVE,
     "algo.gamma": UNIT, "algo.lam_policy": UNIT, "algo.lam_critic": UNIT, "algo.lam_min": UNIT,
     "algo.alpha": POSITIVE, "algo.eps_low": Range(0, 1, lo_open=True, hi_open=True),
     "algo.eps_high": POSITIVE, "algo.dual_clip_c": Range(1, lo_open=True),
@@ -122,7 +130,7 @@ RANGES: dict[str, Range] = {
     "optim.policy_ema": Range(0, 1, hi_open=True),
     "data.difficulty": NON_NEGATIVE, "data.max_operand": POSITIVE,
     "data.max_value": Range(2),  # a chain problem starts at a value in [2, max_value]
-    "data.max_steps": POSITIVE, "data.eval_size": POSITIVE, "data.seed": SEED,
+    "data.max_steps": POSITIVE, "data.eval_size": Range(1, 1_000_000), "data.seed": SEED,
     "reward.correct": ANY, "reward.wrong": ANY, "reward.no_answer": ANY, "reward.error": ANY,
     "reward.workers": NON_NEGATIVE,  # 0 = grade inline
     "reward.item_timeout_s": POSITIVE, "reward.batch_deadline_s": POSITIVE,
@@ -136,7 +144,7 @@ RANGES: dict[str, Range] = {
     "checkpoint.keep": POSITIVE,
     "logging.samples_per_step": NON_NEGATIVE,
     "train.steps": NON_NEGATIVE, "train.seed": SEED, "train.eval_every": NON_NEGATIVE,
-    "train.eval_every_s": NON_NEGATIVE, "train.eval_samples": POSITIVE,
+    "train.eval_every_s": NON_NEGATIVE, "train.eval_samples": Range(1, 1024),
     "train.target_accuracy": Range(0, 100),  # percent
     "train.time_budget_s": POSITIVE, "train.max_skipped_updates": POSITIVE,
     "train.warmstart_steps": NON_NEGATIVE, "train.warmstart_lr": NON_NEGATIVE,
@@ -150,6 +158,8 @@ RANGES: dict[str, Range] = {
 FREE_TEXT = frozenset({
     "model.path", "model.value_path", "data.source", "data.fields", "data.prompt_template",
     "data.system_prompt", "checkpoint.dir", "train.compile_cache",
+    "data.eval_source",  # read (one-line DataError when it cannot be) as data.source is
+    "reward.fn",  # imported (and refused in one line) when the grader starts: rewards/custom.py
     "data.hf_config", "data.split", "data.hf_revision",  # the names' shape: _check_hub_names
     "model.lora_targets",  # projection names: parse_lora_targets
     "logging.wandb_project", "logging.wandb_name", "logging.wandb_entity",  # wandb's to judge
@@ -232,6 +242,26 @@ def _check_rollout_and_algo(cfg: Config) -> None:
             f"slots ({r.slots}) not divisible by optim.minibatches * optim.grad_accum "
             f"({o.minibatches} * {o.grad_accum})"
         )
+    if r.kv_cache == "paged" and r.num_pages:
+        # The scheduler admits a prompt only with pages for it and its first window.
+        # (Value pretraining's rollouts are one full-length window.)
+        pre = cfg.algo.value_pretrain_steps > 0
+        window = r.max_response_len if pre else min(r.window, r.max_response_len)
+        need = -(-(r.max_prompt_len - 1 + window) // r.page_size)
+        if r.num_pages < need:
+            what = ("algo.value_pretrain_steps' full-length window" if pre
+                    else "rollout.window")
+            raise ConfigError(
+                f"rollout.num_pages ({r.num_pages}) cannot hold one prompt and its first "
+                f"window: rollout.max_prompt_len - 1 + {what} = "
+                f"{r.max_prompt_len - 1 + window} tokens need {need} pages of "
+                f"rollout.page_size {r.page_size}; raise it (0 = enough for every slot)")
+    cells = r.slots * (r.max_prompt_len + r.max_response_len)
+    if cells > MAX_TOKEN_CELLS:
+        raise ConfigError(
+            f"rollout.prompts_per_step * rollout.group_size * (max_prompt_len + "
+            f"max_response_len) = {cells} token positions per step, over {MAX_TOKEN_CELLS} "
+            f"(each is a row of the KV cache and of every rollout array): lower them")
     if cfg.reward.overlong_buffer > r.max_response_len:
         raise ConfigError(f"reward.overlong_buffer ({cfg.reward.overlong_buffer}) exceeds "
                           f"rollout.max_response_len ({r.max_response_len})")

@@ -15,6 +15,7 @@ a ``gs://`` run dir (``--bucket``): the checkpoints go there directly.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -146,6 +147,9 @@ class Step:
     wait_for: str | None = None  # target state of a describe command
     fail_states: tuple[str, ...] = ()
     creates_tpu: bool = False  # after this step succeeds, a failure must mention deletion
+    # A failure is reported (the launch exits 1) but the later steps still run: a failed
+    # copy of the results must not leave the TPU up.
+    keep_going: bool = False
 
 
 def default_name(config: str, tpu: TpuType) -> str:
@@ -180,10 +184,12 @@ def remote_config(spec: LaunchSpec) -> str:
     p = Path(spec.config)
     if not p.exists():
         return spec.config  # a shipped config name such as "smoke"
-    try:
-        return p.resolve().relative_to(spec.local_root.resolve()).as_posix()
-    except ValueError:
-        return f"run-configs/{p.name}"
+    root = spec.local_root.resolve()
+    # the path as given first: configs/ is a link to tppo_jax/configs, and either works there
+    for q in (Path(os.path.abspath(p)), p.resolve()):
+        if q.is_relative_to(root):
+            return q.relative_to(root).as_posix()
+    return f"run-configs/{p.name}"
 
 
 def train_argv(spec: LaunchSpec) -> list[str]:
@@ -295,12 +301,15 @@ def _results_steps(spec: LaunchSpec, steps: list[Step]) -> None:
     local_runs = "runs/"
     if run_dir.startswith("gs://"):
         steps.append(Step(f"copy results from {run_dir}",
-                          ("gcloud", "storage", "cp", "-r", run_dir, local_runs)))
+                          ("gcloud", "storage", "cp", "-r", run_dir, local_runs),
+                          keep_going=True))
     else:
-        remote = f"{spec.name}:{REMOTE_DIR}/{run_dir}"
+        # An absolute --run-dir is where it says on the worker; a relative one is in the repo.
+        where = run_dir if run_dir.startswith(("/", "~")) else f"{REMOTE_DIR}/{run_dir}"
         steps.append(Step("copy results from worker 0",
                           _gcloud(spec, "compute", "tpus", "tpu-vm", "scp", "--recurse",
-                                  remote, local_runs, "--worker=0")))
+                                  f"{spec.name}:{where}", local_runs, "--worker=0"),
+                          keep_going=True))
 
 
 def delete_step(spec: LaunchSpec) -> Step:
@@ -375,6 +384,7 @@ def run_steps(spec: LaunchSpec, steps: Sequence[Step], *, runner: Runner | None 
     run = runner or _subprocess_runner
     cap = capture or _subprocess_capture
     created = False
+    failed = False
     for i, step in enumerate(steps, 1):
         shown = wait_shell(step) if step.wait_for else shlex.join(step.argv)
         print(f"[launch] {i}/{len(steps)} {step.title}\n$ {shown}", file=sys.stderr, flush=True)
@@ -390,10 +400,14 @@ def run_steps(spec: LaunchSpec, steps: Sequence[Step], *, runner: Runner | None 
             detail = f"exit code {rc}"
         if rc != 0:
             msg = f"tppo launch: step {i}/{len(steps)} ({step.title}) failed: {detail}"
+            if step.keep_going:
+                print(f"{msg}; going on with the next steps", file=sys.stderr)
+                failed = True
+                continue
             if created and not step.title.startswith("delete"):
                 msg += (f"; the TPU {spec.name} is still up: delete it with "
                         f"`{shlex.join(delete_step(spec).argv)}`")
             print(msg, file=sys.stderr)
             return 1
         created = created or step.creates_tpu
-    return 0
+    return 1 if failed else 0

@@ -1,7 +1,8 @@
 """Per-chip memory plan of a T-PPO run on a TPU slice (``tppo plan``).
 
-Pure arithmetic, no jax: for the policy and the value model it counts params, AdamW states and
-gradients with the same layout as the code (each weight's logical axes through
+Arithmetic: for the policy and the value model it counts params, AdamW states and gradients
+with the layout the code has (every param's shape and logical axes read off the model with
+``nnx.eval_shape``, ``model_tensors``; each axis through
 ``parallel.mesh.LOGICAL_RULES``, an axis dropped where it does not divide, as ``_fits`` does),
 adds training activations under remat and the engine's KV pages, and compares the total with
 the chip's HBM.
@@ -34,9 +35,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from tppo_jax.config import Config, ConfigError
 from tppo_jax.config_checks import parse_lora_targets
@@ -71,63 +76,22 @@ class Arch:
                            head_dim=self.head_dim, qkv_bias=self.qkv_bias,
                            tie_embeddings=self.tie_embeddings, dtype=dtype, **overrides)
 
-    def policy_tensors(self) -> Iterator[tuple[tuple[int, ...], tuple[str | None, ...], bool]]:
-        """(shape, logical axes, always-fp32) of every policy param (transformer.py layout)."""
-        h, i, hq, hkv, d = (self.hidden_size, self.intermediate_size, self.num_heads,
-                            self.num_kv_heads, self.head_dim)
-        yield (self.vocab_size, h), ("vocab", "embed"), False
-        for _ in range(self.num_layers):
-            yield (h,), ("norm",), False
-            yield (h, hq, d), ("embed", "heads", "head_dim"), False
-            yield (h, hkv, d), ("embed", "kv_heads", "head_dim"), False
-            yield (h, hkv, d), ("embed", "kv_heads", "head_dim"), False
-            yield (hq, d, h), ("heads", "head_dim", "embed"), False
-            if self.qkv_bias:
-                yield (hq, d), ("heads", "head_dim"), False
-                yield (hkv, d), ("kv_heads", "head_dim"), False
-                yield (hkv, d), ("kv_heads", "head_dim"), False
-            yield (h,), ("norm",), False
-            yield (h, i), ("embed", "mlp"), False
-            yield (h, i), ("embed", "mlp"), False
-            yield (i, h), ("mlp", "embed"), False
-        yield (h,), ("norm",), False
-        if not self.tie_embeddings:
-            yield (h, self.vocab_size), ("embed", "vocab"), False
+    def policy_tensors(self) -> Iterator[Tensor]:
+        """(shape, logical axes, always-fp32) of every policy param, read off the model
+        (``model_tensors``)."""
+        yield from model_tensors(self.model_config(), "policy")
 
-    def value_tensors(self) -> Iterator[tuple[tuple[int, ...], tuple[str | None, ...], bool]]:
+    def value_tensors(self) -> Iterator[Tensor]:
         """The critic: the backbone (no LM head) + a float32 scalar head (value.py)."""
-        for shape, axes, fp32 in self.policy_tensors():
-            if axes != ("embed", "vocab"):
-                yield shape, axes, fp32
-        yield from self.value_head_tensors()
+        yield from model_tensors(self.model_config(), "value")
 
-    def value_head_tensors(self) -> Iterator[tuple[tuple[int, ...], tuple[str | None, ...],
-                                                   bool]]:
-        yield (self.hidden_size,), ("embed",), True
-        yield (), (), True
+    def value_head_tensors(self) -> Iterator[Tensor]:
+        yield from model_tensors(self.model_config(), "value_head")
 
-    def projections(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...],
-                                             tuple[str, ...]]]:
-        """name -> (input dims, their axes, output dims, their axes) of every projection
-        (transformer.py ``PROJECTIONS``)."""
-        h, i, hq, hkv, d = (self.hidden_size, self.intermediate_size, self.num_heads,
-                            self.num_kv_heads, self.head_dim)
-        e, kv = ((h,), ("embed",)), ((hkv, d), ("kv_heads", "head_dim"))
-        return {"q": (*e, (hq, d), ("heads", "head_dim")), "k": (*e, *kv), "v": (*e, *kv),
-                "o": ((hq, d), ("heads", "head_dim"), (h,), ("embed",)),
-                "gate": (*e, (i,), ("mlp",)), "up": (*e, (i,), ("mlp",)),
-                "down": ((i,), ("mlp",), (h,), ("embed",))}
-
-    def lora_tensors(self, rank: int, targets: tuple[str, ...]
-                     ) -> Iterator[tuple[tuple[int, ...], tuple[str | None, ...], bool]]:
+    def lora_tensors(self, rank: int, targets: tuple[str, ...]) -> Iterator[Tensor]:
         """The float32 LoRA adapters (models/lora.py): per layer and targeted projection,
         ``A [in..., r]`` and ``B [r, out...]`` with their base dims' axes."""
-        dims = self.projections()
-        for _ in range(self.num_layers):
-            for t in targets:
-                ins, in_axes, outs, out_axes = dims[t]
-                yield (*ins, rank), (*in_axes, None), True
-                yield (rank, *outs), (None, *out_axes), True
+        yield from model_tensors(self.model_config(), "lora", rank, tuple(targets))
 
     @property
     def n_params(self) -> int:
@@ -136,6 +100,47 @@ class Arch:
     @property
     def n_value_params(self) -> int:
         return sum(math.prod(s) for s, _, _ in self.value_tensors())
+
+
+Tensor = tuple[tuple[int, ...], tuple[str | None, ...], bool]
+
+
+@lru_cache(maxsize=32)
+def model_tensors(mc: Any, part: str, rank: int = 0, targets: tuple[str, ...] = ()
+                  ) -> tuple[Tensor, ...]:
+    """(shape, logical axes, always-fp32) of every param of ``part`` of the model ``mc``
+    builds, read off the model itself (``nnx.eval_shape``: no weights are made), so the plan
+    follows the code's layout: ``policy`` (``Transformer``), ``value`` (``ValueModel``),
+    ``value_head`` (its params outside the backbone), ``lora`` (the adapters ``add_lora``
+    attaches for ``rank`` and ``targets``). Always-fp32: float32 in a bfloat16 model."""
+    from flax import nnx
+
+    from tppo_jax.models.lora import LoraSpec, add_lora
+    from tppo_jax.models.transformer import Transformer
+    from tppo_jax.models.value import ValueModel
+
+    mc = replace(mc, dtype="bfloat16")
+    if part == "lora":
+        def make():
+            return add_lora(Transformer(mc, rngs=nnx.Rngs(0)), LoraSpec(rank, rank, targets))
+    else:
+        cls = Transformer if part == "policy" else ValueModel
+
+        def make():
+            return cls(mc, rngs=nnx.Rngs(0))
+    state = nnx.state(nnx.eval_shape(make), nnx.Param)
+    flat = jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+    out = []
+    for path, var in flat:
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if part == "lora" and not isinstance(var, nnx.LoRAParam):
+            continue
+        if part == "value_head" and keys[0] == "backbone":
+            continue
+        axes = var.get_metadata().get("out_sharding") or (None,) * len(var.shape)
+        out.append((tuple(var.shape), tuple(axes), var.get_value().dtype == jnp.float32))
+    return tuple(out)
 
 
 def _a(name: str, v: int, h: int, i: int, n: int, hq: int, hkv: int, d: int, bias: bool,

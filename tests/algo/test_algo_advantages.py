@@ -123,6 +123,7 @@ def reference_egae(r, v, m, fin, gamma, lam):
 
 @settings(max_examples=40, deadline=None)
 @given(batches())
+@pytest.mark.slow  # ~16 s in one process on 2 shared cores
 def test_egae_matches_python_definition_and_scans_agree(batch):
     r, v, m, fin, gamma, lam = batch
     ref = reference_egae(r, v, m, fin, gamma, lam)
@@ -134,6 +135,7 @@ def test_egae_matches_python_definition_and_scans_agree(batch):
 
 @settings(max_examples=25, deadline=None)
 @given(batches())
+@pytest.mark.slow  # ~5 s in one process on 2 shared cores
 def test_gae_lambda1_gamma1_is_return_minus_value(batch):
     r, v, m, _, _, _ = batch
     a = gae(r, v, m, gamma=1.0, lam=1.0)
@@ -142,6 +144,7 @@ def test_gae_lambda1_gamma1_is_return_minus_value(batch):
 
 @settings(max_examples=25, deadline=None)
 @given(batches(), st.integers(1, 11))
+@pytest.mark.slow  # ~6 s in one process on 2 shared cores
 def test_egae_finished_row_equals_gae_at_every_position(batch, cut):
     """EGAE on a finished sequence is exactly GAE; any window suffix of a finished
     sequence also equals the full-sequence GAE restricted to that window."""
@@ -158,6 +161,7 @@ def test_egae_finished_row_equals_gae_at_every_position(batch, cut):
     np.testing.assert_allclose(tail, whole[:, cut:], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow  # ~6 s in one process on 2 shared cores
 def test_long_window_scans_agree():
     rng = np.random.default_rng(0)
     r = rng.normal(size=(2, 8192)).astype(np.float32) * 0.01

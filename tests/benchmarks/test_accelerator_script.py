@@ -64,7 +64,7 @@ def test_gpu_script_refuses_the_wrong_backend(tmp_path):
 @pytest.mark.slow
 def test_accelerator_bench_from_the_cli(tmp_path):
     # `python -m tppo_jax.cli` from the repository root: the checkout's tppo_jax must still
-    # find tppo_jax.benchmarks (pyproject maps benchmarks/ into the package).
+    # find tppo_jax.benchmarks.
     proc = subprocess.run([sys.executable, "-m", "tppo_jax.cli", "bench", "accelerator",
                            *TINY, "--no-hf", "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
@@ -74,15 +74,18 @@ def test_accelerator_bench_from_the_cli(tmp_path):
 
 def test_source_checkout_maps_the_shipped_folders():
     # No site-packages (-S), so no installed or editable tppo_jax: the checkout alone must
-    # resolve tppo_jax.benchmarks / .configs as pyproject.toml's package-dir does.
+    # resolve tppo_jax.benchmarks / .configs (folders inside the package, linked from the
+    # top-level benchmarks/ and configs/).
     code = ("import sys; sys.path.insert(0, sys.argv[1]); "
             "import tppo_jax.benchmarks.xla_cost as m, tppo_jax.configs as c; "
             "print(m.__file__); print(c.__path__[0])")
     proc = subprocess.run([sys.executable, "-S", "-c", code, str(REPO)], cwd="/",
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == [str(REPO / "benchmarks" / "xla_cost.py"),
-                                   str(REPO / "configs")]
+    assert proc.stdout.split() == [str(REPO / "tppo_jax" / "benchmarks" / "xla_cost.py"),
+                                   str(REPO / "tppo_jax" / "configs")]
+    for name in ("benchmarks", "configs", "kernels"):
+        assert (REPO / name).resolve() == REPO / "tppo_jax" / name
 
 
 def test_every_package_of_the_checkout_ships():

@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+
 from tppo_jax.benchmarks import learning
 from tppo_jax.benchmarks.learning import (
     aggregate,

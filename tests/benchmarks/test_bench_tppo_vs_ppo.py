@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from tppo_jax.benchmarks.tppo_vs_ppo import _medians, _out_name, summarize_run
 
 

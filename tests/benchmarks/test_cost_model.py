@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+
 from tppo_jax.benchmarks.cost_model import (
     Counts,
     Units,
@@ -17,7 +18,6 @@ from tppo_jax.benchmarks.cost_model import (
     speedup_at,
     step_costs,
 )
-
 from tppo_jax.plan import Arch
 
 
@@ -101,7 +101,7 @@ def test_projection_is_the_share_formula():
 
 
 ARCH = Arch("toy", vocab_size=100, hidden_size=10, intermediate_size=20, num_layers=2,
-            num_heads=2, num_kv_heads=1, head_dim=5, qkv_bias=False, tie_embeddings=False)
+            num_heads=2, num_kv_heads=1, head_dim=4, qkv_bias=False, tie_embeddings=False)
 
 
 def test_matmul_params_leave_out_the_embedding_lookup_and_the_critics_lm_head():
@@ -125,11 +125,11 @@ def test_accelerator_units_are_roofline_terms_with_floor_reshard_and_attention()
     weights = 2 * pol / (tp * bw)  # each decode replica reads its copy once per step
     compute = 2 * pol * slots / (chips * flops * 0.5)
     assert u.t_step == pytest.approx(0.01 + max(weights, compute))
-    kv = 2 * 2 * 1 * 5 * 2
+    kv = 2 * 2 * 1 * 4 * 2
     assert u.t_kv == pytest.approx(kv / (chips * bw))
     assert u.t_policy == pytest.approx(6 * pol / (chips * flops * 0.5))
     assert u.t_value == pytest.approx(6 * val / (chips * flops * 0.5))
-    assert u.t_attn == pytest.approx(6 * 2 * 2 * 5 / (chips * flops * 0.5))
+    assert u.t_attn == pytest.approx(6 * 2 * 2 * 4 / (chips * flops * 0.5))
     # Each chip receives its decode shard (2 pol / tp bytes) less what it holds (tp / chips).
     assert u.t_reshard == pytest.approx(2 * pol / tp * (1 - tp / chips) / 1e9)
     assert u.t_grade == 0.25
@@ -228,7 +228,6 @@ def test_cpu_check_replays_the_window_the_measured_run_had(tmp_path):
     """The CPU check replays the T-PPO run's own window (its ``config.yaml``), not the
     config's current one; without a config in the run dir, the given default."""
     from tppo_jax.benchmarks.cost_model import run_window
-
     from tppo_jax.config import load_config
 
     run = tmp_path / "tppo-seed0"
@@ -244,7 +243,6 @@ def test_paper_scale_takes_its_units_from_a_compiled_json(tmp_path):
     import argparse
 
     from tppo_jax.benchmarks.cost_model import add_args, paper_scale
-
     from tppo_jax.plan import ARCHITECTURES
 
     path = tmp_path / "compiled.json"

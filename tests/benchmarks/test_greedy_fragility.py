@@ -4,6 +4,7 @@ direction."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from tppo_jax.benchmarks.greedy_fragility import same_size_random
 
 

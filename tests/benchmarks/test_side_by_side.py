@@ -2,6 +2,7 @@
 log), and a failed one stops the rest with a one-line error that names its log."""
 
 import pytest
+
 from tppo_jax.benchmarks.side_by_side import Job, run_jobs, train_command
 
 

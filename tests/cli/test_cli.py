@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+
 from tppo_jax.benchmarks.intensity import schedule_occupancy
 
 
@@ -14,6 +16,7 @@ def _tppo(*args, cwd=None):
                           text=True, timeout=300, cwd=cwd)
 
 
+@pytest.mark.slow  # ~9 s in one process on 2 shared cores
 def test_every_listed_command_has_working_help():
     r = _tppo("--help")
     assert r.returncode == 0

@@ -190,3 +190,48 @@ def test_defaults_and_shipped_configs_pass_the_ranges() -> None:
     for p in sorted(Path(__file__).parents[2].glob("configs/*.yaml")):
         load_config(p)
     validate(Config())  # the dataclass defaults too
+
+
+def test_a_paged_pool_too_small_for_one_prompt_is_refused() -> None:
+    """Issue 49 M4: num_pages=1 trained nothing, every step, rc 0."""
+    base = ["rollout.kv_cache=paged", "rollout.max_prompt_len=64", "rollout.window=16",
+            "rollout.page_size=16"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "rollout.num_pages=1"])
+    msg = str(e.value)
+    assert "rollout.num_pages (1) cannot hold one prompt" in msg and "\n" not in msg
+    assert "need 5 pages" in msg
+    load_config(None, [*base, "rollout.num_pages=5"])  # 63 + 16 tokens: 5 pages
+    load_config(None, [*base, "rollout.num_pages=0"])  # 0: sized for every slot
+    with pytest.raises(ConfigError, match="value_pretrain_steps"):  # a full-length window
+        load_config(None, [*base, "rollout.num_pages=5", "algo.value_pretrain_steps=2"])
+
+
+@pytest.mark.parametrize("value", ["3", "[a, b]", "{x: y}", "true"])
+def test_a_data_fields_value_that_is_not_text_is_refused(value: str) -> None:
+    """Issue 49 "Also": a non-string data.fields value was coerced into a path."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"data.fields={{question: {value}}}"])
+    assert "data.fields.question must be a field name" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("override", "needle"), [
+    ("rollout.prompts_per_step=1000000000", "rollout.prompts_per_step must be in [1, 65536]"),
+    ("rollout.group_size=1000000000", "rollout.group_size must be in [1, 1024]"),
+    ("rollout.page_size=1000000", "rollout.page_size must be in [1, 4096]"),
+    ("train.eval_samples=100000000", "train.eval_samples must be in [1, 1024]"),
+    ("data.eval_size=1000000000", "data.eval_size must be in [1, 1000000]"),
+    ("rollout.temperature=1e-40", "rollout.temperature must be 0 (greedy) or >= 0.001"),
+])
+def test_values_that_crashed_or_hung_train_are_refused(override: str, needle: str) -> None:
+    """Issue 49 L4: values `tppo config` accepted that crashed (RESOURCE_EXHAUSTED, OOM,
+    MemoryError), hung, or trained on NaN log-probs in `tppo train`."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_rollout_batch_past_int32_positions_is_refused() -> None:
+    with pytest.raises(ConfigError, match="token positions per step"):
+        load_config(None, ["rollout.prompts_per_step=65536", "rollout.group_size=1024"])

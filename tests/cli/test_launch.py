@@ -69,7 +69,7 @@ def find(cmds: list[list[str]], *prefix: str) -> list[list[str]]:
 def test_dry_run_v5p_64(capsys):
     rc = tppo(["launch", "--config", "configs/default.yaml", "--tpu-type", "v5p-64",
                "--zone", "europe-west4-b", "--project", "my-proj", "--bucket", "gs://bkt",
-               "--name", "t1", "--dry-run", "train.steps=10"])
+               "--name", "t1", "--dry-run", "--plan", "arithmetic", "train.steps=10"])
     out = capsys.readouterr().out
     assert rc == 0
     cmds = commands(out)
@@ -100,7 +100,7 @@ def test_dry_run_v5p_64(capsys):
 
 def test_dry_run_v4_8_default_name_and_zone(capsys):
     assert tppo(["launch", "--config", "configs/ppo.yaml", "--tpu-type", "v4-8", "--spot",
-                 "--dry-run"]) == 0
+                 "--dry-run", "--plan", "arithmetic"]) == 0
     out = capsys.readouterr().out
     cmds = commands(out)
     [create] = find(cmds, "gcloud", "compute", "tpus", "tpu-vm", "create")
@@ -120,7 +120,7 @@ def test_dry_run_v4_8_default_name_and_zone(capsys):
 def test_queued_resource(capsys):
     assert tppo(["launch", "--config", "default", "--tpu-type", "v6e-8", "--queued", "--spot",
                  "--name", "q1", "--repo", "https://example.com/tppo-jax.git",
-                 "--dry-run"]) == 0
+                 "--dry-run", "--plan", "arithmetic"]) == 0
     cmds = commands(capsys.readouterr().out)
     [create] = find(cmds, "gcloud", "compute", "tpus", "queued-resources", "create", "q1")
     assert create[create.index("--node-id") + 1] == "q1"
@@ -135,7 +135,8 @@ def test_queued_resource(capsys):
 
 def test_best_effort_uses_alpha(capsys):
     assert tppo(["launch", "--config", "default", "--tpu-type", "v5litepod-16",
-                 "--best-effort", "--keep", "--bucket", "gs://b", "--dry-run"]) == 0
+                 "--best-effort", "--keep", "--bucket", "gs://b", "--dry-run",
+                 "--plan", "arithmetic"]) == 0
     cmds = commands(capsys.readouterr().out)
     [create] = find(cmds, "gcloud", "alpha", "compute", "tpus", "queued-resources", "create")
     assert "--best-effort" in create
@@ -147,8 +148,14 @@ def test_paper_config_mesh_must_match_slice(capsys):
     rc = tppo(["launch", "--config", "configs/paper_qwen25_32b.yaml", "--tpu-type", "v5p-64",
                "--dry-run"])
     assert rc == 2 and "mesh" in capsys.readouterr().err
-    assert tppo(["launch", "--config", "configs/paper_qwen25_32b.yaml", "--tpu-type",
-                 "v5p-512", "--bucket", "gs://b", "--dry-run"]) == 0
+    # On its own slice it does not fit (the plan's KV pages): refused in one line, unless forced
+    argv = ["launch", "--config", "configs/paper_qwen25_32b.yaml", "--tpu-type", "v5p-512",
+            "--bucket", "gs://b", "--dry-run", "--plan", "arithmetic"]
+    assert tppo(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "does not fit v5p-512" in err and "--force" in err
+    assert tppo([*argv, "--force"]) == 0
     out = capsys.readouterr().out
     assert "--accelerator-type v5p-512" in out and "(256 chips, 64 hosts" in out
 
@@ -226,3 +233,22 @@ def test_run_on_pod_script():
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2 and "run_on_pod.sh" in usage.stderr
     assert not (ROOT / "launch" / "__init__.py").exists()
+
+
+@pytest.mark.parametrize(("run_dir", "where"), [("/abs/path", "t:/abs/path"),
+                                                ("runs/x", "t:~/tppo-jax/runs/x")])
+def test_copy_back_path_and_the_delete_does_not_depend_on_the_copy(capsys, run_dir, where):
+    """Issue 49 L6: an absolute --run-dir gave `~/tppo-jax//abs/path`, the copy failed and
+    the TPU was left up."""
+    spec = _spec(run_dir=run_dir)
+    ran: list[list[str]] = []
+
+    def runner(argv):
+        ran.append(list(argv))
+        return 3 if "scp" in argv and "--recurse" in argv else 0  # the copy back fails
+
+    rc = run_steps(spec, build_steps(spec), runner=runner, capture=lambda argv: (0, "READY"))
+    copy = next(a for a in ran if "--recurse" in a)
+    assert where in copy
+    assert rc == 1 and ran[-1][:5] == ["gcloud", "compute", "tpus", "tpu-vm", "delete"]
+    assert "copy results from worker 0) failed: exit code 3" in capsys.readouterr().err

@@ -73,3 +73,22 @@ def test_notebook_runs(tmp_path):
     assert list((run / "tensorboard").iterdir())
     # The warm-start cache lives next to the run dir, so a re-run of the notebook reuses it.
     assert len(list(run.parent.glob("warmstart-*/DONE"))) == 1
+
+
+def test_notebook_text_matches_the_configs_and_installs_jax_tpu():
+    import re
+
+    from tppo_jax.config import load_config
+
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    text = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    m = re.search(r"\((\d+) warm-start and (\d+) T-PPO steps", text)
+    assert m, "the notebook no longer names the default's step counts"
+    default = load_config("default")
+    assert (int(m.group(1)), int(m.group(2))) == (default.train.warmstart_steps,
+                                                  default.train.steps)
+    install = next(c.source for c in nb.cells if c.cell_type == "code" and "%pip" in c.source)
+    tpu = install.split("if on_tpu_runtime():", 1)
+    assert len(tpu) == 2 and '%pip install -q "jax[tpu]"' in tpu[1].splitlines()[1]
+    assert "COLAB_TPU_ADDR" in install and "pyproject.toml" in install
+    assert "tppo_jax.fit(" in "\n".join(c.source for c in nb.cells)

@@ -116,6 +116,9 @@ def test_scripted_benchmark_matches_hand_computed_numbers(bench_files, scripted,
     assert [x["greedy_answer"] for x in q] == ["3", "8", None]
     assert [x["greedy_correct"] for x in q] == [True, False, False]
     assert [x["greedy_reason"] for x in q] == ["ok", "wrong", "no_answer"]
+    assert [x["greedy_completion"] for x in q] == GREEDY
+    assert q[0]["greedy_why"] is None and "answer_format=boxed" in q[2]["greedy_why"]
+    assert q[0]["sample_completions"] == SAMPLES[0]
     assert q[0]["correct"] == [True, False, False, True]
     assert q[0]["sample_answers"] == ["3", "4", None, "3"]
     assert [x["id"] for x in q] == ["aime.jsonl-0", "aime.jsonl-1", "aime.jsonl-2"]
@@ -123,17 +126,33 @@ def test_scripted_benchmark_matches_hand_computed_numbers(bench_files, scripted,
         assert line in table
 
 
+def test_show_prints_completions_and_no_answer_warns(bench_files, scripted, monkeypatch,
+                                                    capsys):
+    monkeypatch.setattr(sys.modules[__name__], "GREEDY", ["hmm", "so 8", "I do not know"])
+    assert _run("tiny", "--benchmark", "aime.jsonl", "--format", "math", "--greedy",
+                "--show", "2", "--config", "grade.yaml") == 0
+    out, err = capsys.readouterr()
+    assert out.count("=== question") == 2 and "--- greedy completion\nso 8\n" in out
+    assert "What is 3+4?" in out  # the prompt as the model saw it
+    assert "no_answer (no answer found: reward.answer_format=boxed" in out
+    # every greedy answer lacks a \boxed{}: one warning line naming the format and the fix
+    warn = [x for x in err.splitlines() if x.startswith("warning: 100% of answers")]
+    assert len(warn) == 1 and "reward.answer_format" in warn[0] and "\\boxed" in warn[0]
+    assert (bench_files / "results-eval" / "tiny" / "aime_greedy.json").is_file()
+
+
 def test_limit_and_greedy_only_write_their_own_file(bench_files, scripted, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "GREEDY", GREEDY[:2])
     assert _run("tiny", "--benchmark", "aime.jsonl", "--format", "math", "--greedy",
                 "--limit", "2", "--config", "grade.yaml") == 0
-    out = bench_files / "results-eval" / "tiny" / "aime-limit2.json"
+    out = bench_files / "results-eval" / "tiny" / "aime-limit2_greedy.json"
     report = json.loads(out.read_text())
     assert report["questions"] == 2 and report["protocol"]["limit"] == 2
     assert "avg@8" not in report["metrics"] and "correct" not in report["per_question"][0]
     assert report["metrics"]["greedy_accuracy"] == 50.0
 
 
+@pytest.mark.slow  # ~6 s in one process on 2 shared cores
 def test_a_hub_model_on_a_named_benchmark_offline(tmp_path, monkeypatch, capsys):
     """Real decoding: ``gsm8k`` read from the datasets cache an online load leaves, the model
     ``owner/tiny`` from the HF hub cache, nothing on the network."""
@@ -151,8 +170,8 @@ def test_a_hub_model_on_a_named_benchmark_offline(tmp_path, monkeypatch, capsys)
     (tmp_path / "grade.yaml").write_text("reward:\n  workers: 0\n")
     assert _run("owner/tiny", "--benchmark", "gsm8k", "-k", "2", "--max-tokens", "4",
                 "--batch-size", "4", "--limit", "2", "--config", "grade.yaml") == 0
-    report = json.loads((tmp_path / "results-eval" / "owner--tiny" / "gsm8k-limit2.json")
-                        .read_text())
+    report = json.loads((tmp_path / "results-eval" / "owner--tiny" /
+                         "gsm8k-limit2_paperx-k2-t1-p0.7.json").read_text())
     assert report["benchmark"]["source"] == "openai/gsm8k"
     assert report["benchmark"]["split"] == "test" and report["benchmark"]["config"] == "main"
     assert report["protocol"]["answer_format"] == "boxed_or_answer_line"

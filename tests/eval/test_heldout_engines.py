@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import types
 
+import pytest
+
 from tppo_jax.eval.heldout import EvalEngines, generate_answers
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.rollout.decode import SamplingParams
@@ -14,6 +16,7 @@ PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
 KW = dict(max_prompt_len=8, max_response_len=6, batch_size=4)
 
 
+@pytest.mark.slow  # ~8 s in one process on 2 shared cores
 def test_one_engine_per_setting_compiled_once():
     model = create_model(ModelConfig.tiny(vocab_size=32, num_layers=1), seed=0)
     engines = EvalEngines()

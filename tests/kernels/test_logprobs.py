@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from tppo_jax.kernels.logprobs import naive_token_logprobs, token_logprobs
 
 

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tppo_jax.kernels import paged_attention as pa
 
+from tppo_jax.kernels import paged_attention as pa
 from tppo_jax.rollout import pages
 
 PS = 4

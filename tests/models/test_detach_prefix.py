@@ -25,6 +25,7 @@ def _weights():
     return jax.random.normal(jax.random.key(2), (B, T - P, V))
 
 
+@pytest.mark.slow  # ~5 s in one process on 2 shared cores
 def test_values_equal_the_full_forward():
     """Every column's hidden state, padded rows included, is the full pass's."""
     m, tok = _model(), _tokens()
@@ -60,6 +61,7 @@ def _full_loss(params, graphdef, tok):
 
 
 @pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.slow  # ~11 s in one process on 2 shared cores
 def test_gradient_is_that_of_a_frozen_cached_prefix(remat):
     gd, st = nnx.split(_model(remat=remat))
     params, tok = nnx.to_pure_dict(st), _tokens()

@@ -31,7 +31,7 @@ def exported(tmp_path_factory) -> tuple[Path, Tokenizer]:
     run = tmp / "runs" / "hf"
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(cfg.to_yaml())
-    assert main(["export", str(run), str(tmp / "hf")]) == 0
+    assert main(["export", str(run), str(tmp / "hf"), "--start"]) == 0
     return tmp / "hf", tok
 
 

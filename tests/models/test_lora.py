@@ -79,6 +79,7 @@ def test_adapter_einsums_span_input_then_output_dims():
     assert (o.a, o.b, o.w) == ("btnd,ndr->btr", "btr,rh->bth", "ndr,rh->ndh")
 
 
+@pytest.mark.slow  # ~9 s in one process on 2 shared cores
 def test_fresh_adapters_leave_every_forward_exactly_as_it_was():
     tok = tokens()
     base = tiny()
@@ -86,17 +87,21 @@ def test_fresh_adapters_leave_every_forward_exactly_as_it_was():
     lora = add_lora(tiny(), ALL, seed=3)
     for got, ref in zip(three_forwards(lora, tok), want, strict=True):
         np.testing.assert_array_equal(got, ref)  # B = 0: bit for bit
-    layer = lora.backbone.layers[0]
-    assert layer.attn.lora["q"].a.shape == (128, 4) and layer.attn.lora["q"].b.shape == (4, 4, 32)
-    assert layer.attn.lora["o"].a.shape == (4, 32, 4) and layer.mlp.lora["down"].a.shape == (
-        384, 4)
-    assert layer.attn.lora["q"].a.get_metadata()["out_sharding"] == ("embed", None)
-    assert layer.attn.lora["q"].b.get_metadata()["out_sharding"] == (None, "heads", "head_dim")
-    assert isinstance(layer.attn.lora["q"].a, nnx.LoRAParam)
+    layers = lora.backbone.layers  # stacked over the 2 layers, like their bases
+    assert layers.attn.lora["q"].a.shape == (2, 128, 4)
+    assert layers.attn.lora["q"].b.shape == (2, 4, 4, 32)
+    assert layers.attn.lora["o"].a.shape == (2, 4, 32, 4) and layers.mlp.lora["down"].a.shape == (
+        2, 384, 4)
+    assert layers.attn.lora["q"].a.get_metadata()["out_sharding"] == ("layers", "embed", None)
+    assert layers.attn.lora["q"].b.get_metadata()["out_sharding"] == (
+        "layers", None, "heads", "head_dim")
+    assert isinstance(layers.attn.lora["q"].a, nnx.LoRAParam)
+    # each layer draws its own A
+    assert float(jnp.abs(layers.attn.lora["q"].a[0] - layers.attn.lora["q"].a[1]).max()) > 0
     # a subset of targets touches only those projections
     only = add_lora(tiny(), LoraSpec(2, 2.0, ("v", "up")))
-    assert set(only.backbone.layers[1].attn.lora) == {"v"}
-    assert set(only.backbone.layers[1].mlp.lora) == {"up"}
+    assert set(only.backbone.layers.attn.lora) == {"v"}
+    assert set(only.backbone.layers.mlp.lora) == {"up"}
 
 
 def test_moved_adapters_change_every_forward_alike_and_merge_into_the_weights(tmp_path):
@@ -144,7 +149,7 @@ def test_the_peft_adapter_folder_adds_up_to_the_merged_weights(tmp_path):
             w = w + (config["lora_alpha"] / config["r"]) * (b @ a)
             n_adapted += 1
         np.testing.assert_allclose(w, merged[name], rtol=1e-5, atol=1e-6)
-    assert n_adapted == 7 * len(model.backbone.layers) == len(lora) // 2
+    assert n_adapted == 7 * model.config.num_layers == len(lora) // 2
 
 
 def test_split_and_join_are_inverse_and_share_leaves():
@@ -159,15 +164,17 @@ def test_split_and_join_are_inverse_and_share_leaves():
                                       strict=True))
 
 
+@pytest.mark.slow  # ~6 s in one process on 2 shared cores
 def test_adapters_are_placed_like_their_base_on_a_mesh(devices8):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     tok = tokens(4, 8)
     model = moved(add_lora(tiny(), ALL, seed=2))
     want = model(tok)
     shard_model(model, mesh)
-    q = model.backbone.layers[0].attn.lora["q"]
-    assert q.a.get_value().sharding.spec == jax.sharding.PartitionSpec("fsdp", None)
-    assert q.b.get_value().sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None)
+    q = model.backbone.layers.attn.lora["q"]
+    assert q.a.get_value().sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None)
+    assert q.b.get_value().sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor",
+                                                                       None)
     graphdef, state = nnx.split(model)
     got = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tok)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -188,6 +195,7 @@ def _batch(rows: int, width: int) -> dict:
 
 
 @pytest.mark.parametrize("kl_coef", [0.0, 0.5])
+@pytest.mark.slow  # ~6 s in one process on 2 shared cores
 def test_policy_update_trains_only_the_adapters(kl_coef):
     graphdef, state = nnx.split(add_lora(tiny(), ALL, seed=0))
     params = nnx.to_pure_dict(state)
@@ -218,6 +226,7 @@ def test_policy_update_trains_only_the_adapters(kl_coef):
     assert (float(stats["kl_ref"]) == 0.0) if kl_coef else ("kl_ref" not in stats)
 
 
+@pytest.mark.slow  # ~7 s in one process on 2 shared cores
 def test_value_update_trains_adapters_and_head():
     graphdef, state = nnx.split(add_lora(ValueModel(ModelConfig.tiny(vocab_size=32),
                                                     rngs=nnx.Rngs(0)), ALL))
@@ -233,10 +242,11 @@ def test_value_update_trains_adapters_and_head():
     new = jax.device_get(new)
     assert not np.array_equal(new["head"], start["head"])
     np.testing.assert_array_equal(new["backbone"]["embed"], start["backbone"]["embed"])
-    np.testing.assert_array_equal(new["backbone"]["layers"][0]["mlp"]["up"],
-                                  start["backbone"]["layers"][0]["mlp"]["up"])
+    np.testing.assert_array_equal(new["backbone"]["layers"]["mlp"]["up"],
+                                  start["backbone"]["layers"]["mlp"]["up"])
 
 
+@pytest.mark.slow  # ~13 s in one process on 2 shared cores
 def test_policy_update_on_a_mesh_matches_the_unsharded_one(devices8):
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     model = moved(add_lora(tiny(), ALL, seed=4), by=0.01)  # B != 0: A gets gradients too
@@ -255,8 +265,8 @@ def test_policy_update_on_a_mesh_matches_the_unsharded_one(devices8):
     upd = make_updater("policy", graphdef, tx=tx, cfg=cfg, mesh=mesh, params=placed,
                        opt_state=opt, trainable=())
     new, _, _ = upd(placed, opt, batch, lengths=np.full(4, 16))
-    q = new["backbone"]["layers"][0]["attn"]["lora"]["q"]
-    assert q["b"].sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None)
+    q = new["backbone"]["layers"]["attn"]["lora"]["q"]
+    assert q["b"].sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor", None)
     assert new["backbone"]["embed"] is placed["backbone"]["embed"]  # the base passes through
     for a, b in zip(jax.tree.leaves(jax.device_get(new)), jax.tree.leaves(jax.device_get(plain)),
                     strict=True):

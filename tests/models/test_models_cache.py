@@ -29,6 +29,7 @@ def test_dense_cache_is_a_kvcache_and_pytree():
     assert int(cache.reset_rows(jnp.array([True, False, True])).lengths.sum()) == 0
 
 
+@pytest.mark.slow  # ~7 s in one process on 2 shared cores
 def test_prefill_then_decode_matches_full_forward(model):
     b, total, p_bucket, steps = 3, 14, 8, 6
     seqs = jax.random.randint(jax.random.key(2), (b, total), 0, V)

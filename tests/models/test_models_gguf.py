@@ -120,7 +120,10 @@ def _loaded_hf(folder: Path) -> dict[str, np.ndarray]:
     for key, var in _state_paths(nnx.state(model, nnx.Param)):
         tm = maps[key]
         arr = np.asarray(var.get_value())
-        out[tm.hf_name] = arr.transpose(np.argsort(tm.perm)).reshape(tm.hf_shape)
+        # a stacked layer param is one HF tensor per layer
+        for name, a in (zip(tm.hf_names(), arr, strict=True) if tm.layers
+                        else [(tm.hf_name, arr)]):
+            out[name] = a.transpose(np.argsort(tm.perm)).reshape(tm.hf_shape)
     return out
 
 

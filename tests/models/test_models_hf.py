@@ -42,9 +42,9 @@ def test_parity_with_transformers(name):
 def test_parity_sharded_load(devices8):
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
     model = from_pretrained(FIXTURES / "llama", mesh=mesh)  # sharded index checkpoint
-    gate = model.backbone.layers[0].mlp.gate[...]
-    assert gate.sharding.spec == P("fsdp", "tensor")
-    assert gate.addressable_shards[0].data.shape == (64 // 4, 128 // 2)
+    gate = model.backbone.layers.mlp.gate[...]  # [L, H, I], each layer read from its tensor
+    assert gate.sharding.spec == P(None, "fsdp", "tensor")
+    assert gate.addressable_shards[0].data.shape == (model.config.num_layers, 64 // 4, 128 // 2)
     _check_parity(model, "llama")
 
 
@@ -77,7 +77,7 @@ def test_hf_layout_names(tmp_path):
     assert "lm_head.weight" not in keys and "model.embed_tokens.weight" in keys
     assert q.shape == (4 * 32, 128)  # [out, in]
     np.testing.assert_array_equal(
-        q.reshape(4, 32, 128).transpose(2, 0, 1), model.backbone.layers[0].attn.q[...])
+        q.reshape(4, 32, 128).transpose(2, 0, 1), model.backbone.layers.attn.q[...][0])
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [
         "LlamaForCausalLM"]
 

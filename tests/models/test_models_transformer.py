@@ -100,7 +100,7 @@ def test_untied_and_no_bias_and_bf16():
     cfg = ModelConfig.tiny(vocab_size=V, num_layers=2, tie_embeddings=False, qkv_bias=False,
                            dtype="bfloat16")
     m = Transformer(cfg, rngs=nnx.Rngs(0))
-    assert m.lm_head[...].dtype == jnp.bfloat16 and not hasattr(m.backbone.layers[0].attn,
+    assert m.lm_head[...].dtype == jnp.bfloat16 and not hasattr(m.backbone.layers.attn,
                                                                 "q_bias")
     logits = fwd(m, _tokens())
     assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
@@ -113,6 +113,7 @@ def test_bad_config():
         ModelConfig.tiny(remat_policy="everything")
 
 
+@pytest.mark.slow  # ~7 s in one process on 2 shared cores
 def test_remat_gives_same_gradients():
     cfg = ModelConfig.tiny(vocab_size=V, num_layers=1)
     tok = _tokens(2, 6)
@@ -125,3 +126,46 @@ def test_remat_gives_same_gradients():
     for other in grads[1:]:
         for a, b in zip(grads[0], other, strict=True):
             np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_scanned_layers_equal_a_python_loop_over_the_layers_and_unroll():
+    """The layer scan computes what applying each layer's slice in turn computes (logits,
+    the grad_from split, a cached prefill), with remat too; ``unroll_layers`` gives the same
+    numbers with no loop in the program, and gradients agree to rounding (the scan's backward
+    sums bias gradients in another order: ~1 ulp)."""
+    from tppo_jax.kernels.attention import CausalMask
+    from tppo_jax.models.transformer import layer_slice
+
+    cfg = ModelConfig.tiny(vocab_size=V, num_layers=3)
+    m = Transformer(cfg, rngs=nnx.Rngs(5))
+    tok = _tokens(2, 8)
+    bb = m.backbone
+    x = jnp.take(bb.embed[...], tok, axis=0)
+    pos = jnp.broadcast_to(jnp.arange(8)[None], (2, 8))
+    mask, inv = CausalMask.from_attention_mask(None), rope_inv_freq(cfg)
+    for i in range(cfg.num_layers):
+        x = layer_slice(bb.layers, i)(x, pos, mask, inv)
+    want = m.logits_from_hidden(bb.final_norm(x))
+    np.testing.assert_allclose(fwd(m, tok), want, rtol=1e-5, atol=1e-5)
+    cache = m.init_cache(2, 8)
+    cached, cache = nnx.jit(lambda m, t, p, c: m.forward_with_cache(t, p, c, valid=t >= 0))(
+        m, tok, pos, cache)
+    np.testing.assert_allclose(cached, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(cache.k[cfg.num_layers - 1])).max() > 0  # every layer wrote
+
+    def loss(m):
+        return jnp.mean(m.hidden_states(tok, grad_from=3).astype(jnp.float32) ** 2)
+
+    grads, texts = [], []
+    for unroll in (False, True):
+        for remat in (False, True):
+            mu = Transformer(dataclasses.replace(cfg, unroll_layers=unroll, remat=remat),
+                             rngs=nnx.Rngs(5))
+            np.testing.assert_allclose(fwd(mu, tok), want, rtol=1e-5, atol=1e-5)
+            grads.append(jax.tree.leaves(nnx.state(nnx.jit(nnx.grad(loss))(mu))))
+        gd, st = nnx.split(mu)
+        texts.append(jax.jit(lambda s, gd=gd: nnx.merge(gd, s)(tok)).lower(st).as_text())
+    assert "while" in texts[0] and "while" not in texts[1]
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from tppo_jax.models.transformer import ModelConfig, Transformer
@@ -15,6 +16,7 @@ def _tokens(b=2, t=12, seed=1):
     return jax.random.randint(jax.random.key(seed), (b, t), 0, V)
 
 
+@pytest.mark.slow  # ~6 s in one process on 2 shared cores
 def test_value_model_from_policy_is_separate():
     model = Transformer(ModelConfig.tiny(vocab_size=V, num_layers=2), rngs=nnx.Rngs(0))
     vm = ValueModel.from_policy(model)
@@ -27,9 +29,9 @@ def test_value_model_from_policy_is_separate():
     before = policy_h(model, tok)
     np.testing.assert_allclose(critic_h(vm, tok), before, atol=1e-6)
     # Distinct buffers: editing the critic's backbone leaves the policy alone.
-    w = vm.backbone.layers[0].mlp.up
+    w = vm.backbone.layers.mlp.up
     assert (w[...].unsafe_buffer_pointer()
-            != model.backbone.layers[0].mlp.up[...].unsafe_buffer_pointer())
+            != model.backbone.layers.mlp.up[...].unsafe_buffer_pointer())
     w.set_value(w[...] + 1.0)
     np.testing.assert_array_equal(policy_h(model, tok), before)
     assert not np.allclose(critic_h(vm, tok), before, atol=1e-3)

@@ -42,7 +42,9 @@ def case(request):
     scale = ref["scale"]
 
     def scaled(path, x):  # the reference scales matrices; our biases are [heads, head_dim]
-        return x * scale if x.ndim > 1 and "_bias" not in jax.tree_util.keystr(path) else x
+        p = jax.tree_util.keystr(path)
+        nd = x.ndim - ("'layers'" in p)  # stacked layer params lead with [L]
+        return x * scale if nd > 1 and "_bias" not in p else x
 
     nnx.update(model, jax.tree_util.tree_map_with_path(scaled, nnx.state(model, nnx.Param)))
     return model, ref
@@ -62,6 +64,7 @@ def _check(ref, got: list[list[int]]) -> None:
 
 
 @pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+@pytest.mark.slow  # ~10 s in one process on 2 shared cores
 def test_training_scheduler_matches_transformers(case, kv_cache):
     model, ref = case
     rows = ref["rows"]
@@ -81,6 +84,7 @@ def test_training_scheduler_matches_transformers(case, kv_cache):
     _check(ref, [got[i] for i in range(len(rows))])
 
 
+@pytest.mark.slow  # ~10 s in one process on 2 shared cores
 def test_jetstream_api_matches_transformers(case):
     """prefill -> insert -> generate one token at a time, 3 slots, slots reused as requests
     finish (what JetStream's orchestrator does for ``tppo serve``)."""

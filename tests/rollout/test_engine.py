@@ -199,6 +199,7 @@ def test_pool_exhaustion_refuses_insert(model, reference):
     assert eng.pages_in_use(ds) == 0
 
 
+@pytest.mark.slow  # ~6 s in one process on 2 shared cores
 def test_sampling_is_reproducible_across_paths(model):
     eng = DecodeEngine(model, eos_ids=(V + 5,), kv_cache="paged", max_slots=2, page_size=8,
                        max_target_length=MAXLEN,

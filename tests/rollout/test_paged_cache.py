@@ -55,6 +55,7 @@ def _decode_one(model, state, k, v, tok, pos, valid, slots):
     return cache.pages, cache.k, cache.v, logits[:, 0]
 
 
+@pytest.mark.slow  # ~10 s in one process on 2 shared cores
 def test_paged_matches_dense_and_full_forward_ragged(model):
     rng = np.random.default_rng(0)
     prompt = np.array([5, 9, 3])
@@ -96,6 +97,7 @@ def test_paged_matches_dense_and_full_forward_ragged(model):
 
 
 @pytest.mark.parametrize("plen", [8, 10])  # page-aligned prompt, and one with a tail page
+@pytest.mark.slow  # ~8 s in one process on 2 shared cores
 def test_shared_prefix_decodes_like_separate_prefill(model, plen):
     g, new = 4, 6
     rng = np.random.default_rng(plen)

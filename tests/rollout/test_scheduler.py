@@ -29,6 +29,7 @@ def _scheduler(window, L=24, slots=6, group=2, kv="keep", seed=0, cache="dense",
 
 @pytest.mark.parametrize("kv,cache", [("keep", "dense"), ("reprefill", "dense"),
                                       ("keep", "paged")])
+@pytest.mark.slow  # ~6 s in one process on 2 shared cores
 def test_successive_batching_invariants(kv, cache):
     s = _scheduler(window=8, kv=kv, cache=cache)
     prev = None
@@ -72,6 +73,7 @@ def test_ppo_mode_is_one_window_and_counts_idle():
     assert 0 < occupancy <= 1
 
 
+@pytest.mark.slow  # ~12 s in one process on 2 shared cores
 def test_reprefill_matches_full_forward_and_keep_does_not():
     """After a weight change, `reprefill` log-probs equal the new policy's full-sequence
     (teacher-forced) log-probs of the same tokens; `keep` reads a stale cache and does not."""
@@ -142,6 +144,7 @@ def test_state_dict_roundtrip():
     assert s2.pending == s.pending
 
 
+@pytest.mark.slow  # ~17 s in one process on 2 shared cores
 def test_paged_equals_dense_and_short_pool_admits_fewer():
     """With enough pages the paged cache decodes exactly what the dense one does; with a
     short pool, continuations keep going, fewer prompts are admitted, and what is decoded
@@ -179,6 +182,7 @@ def test_paged_equals_dense_and_short_pool_admits_fewer():
 
 
 @pytest.mark.parametrize("cache", ["dense", "paged"])
+@pytest.mark.slow  # ~20 s in one process on 2 shared cores
 def test_restored_scheduler_continues_exactly(cache):
     """checkpoint_items() + host_state() into a fresh scheduler's restore() (what a
     checkpoint holds): the next windows, in-flight continuations included, are exactly the
@@ -205,6 +209,7 @@ def test_restored_scheduler_continues_exactly(cache):
 
 
 @pytest.mark.parametrize("kv", ["keep", "reprefill"])
+@pytest.mark.slow  # ~6 s in one process on 2 shared cores
 def test_prefill_runs_over_the_columns_it_needs(kv):
     """Structure: a prefill's token columns are the longest prefilled row's width bucket, not
     the whole prompt + L buffer (new prompts of a keep run: one 32-column bucket here)."""
@@ -236,6 +241,7 @@ def test_prefill_runs_over_the_columns_it_needs(kv):
 # a slot and reads them back; sequence ids come from `DecodeEngine.new_seq_ids` alone.
 @pytest.mark.parametrize("kv,cache", [("keep", "dense"), ("reprefill", "dense"),
                                       ("keep", "paged")])
+@pytest.mark.slow  # ~8 s in one process on 2 shared cores
 def test_engine_state_follows_the_record_without_being_pushed(kv, cache):
     s = _scheduler(window=8, L=24, kv=kv, cache=cache)
     for _ in range(7):
@@ -254,6 +260,7 @@ def test_engine_state_follows_the_record_without_being_pushed(kv, cache):
         s.release_finished(rb.finished)
 
 
+@pytest.mark.slow  # ~7 s in one process on 2 shared cores
 def test_sequence_ids_are_minted_once_and_survive_a_restore():
     s = _scheduler(window=8, L=24)
     seen: set[int] = set()
@@ -286,3 +293,18 @@ def test_engine_finishes_a_sequence_at_max_new_tokens():
     assert np.asarray(ds.generated).tolist() == [5, 5]
     ids = eng.new_seq_ids(3)
     assert ids.dtype == np.uint32 and ids.tolist() == [0, 1, 2] and eng.next_seq == 3
+
+
+def test_a_pool_that_admits_nothing_stops_the_run_in_one_line():
+    """Issue 49 M4: a paged pool with no room for one prompt and its window deferred every
+    admission forever: steps of 0 tokens, no error."""
+    from tppo_jax.config import ConfigError
+    from tppo_jax.rollout.scheduler import MAX_IDLE_STEPS
+
+    s = _scheduler(window=8, cache="paged", pages=2)  # a 12-token prompt + 8 need 5 pages
+    with pytest.raises(ConfigError) as e:
+        for _ in range(MAX_IDLE_STEPS):
+            s.step()
+    msg = str(e.value)
+    assert "\n" not in msg and f"admitted no prompt for {MAX_IDLE_STEPS} steps" in msg
+    assert "raise rollout.num_pages" in msg and "(5 pages)" in msg

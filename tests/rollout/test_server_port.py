@@ -249,3 +249,19 @@ def test_abandoned_requests_are_not_decoded(served) -> None:
     assert gate.calls - prefills == 2  # the held request and the fresh one: none of the rest
     # The fresh request's 4 tokens and a step or two of the held one, not 100 per request.
     assert steps.calls - decode_steps < 50
+
+
+def test_serve_takes_config_overrides(tmp_path, capsys) -> None:
+    from tppo_jax.cli import main
+
+    assert main(["serve", "--port", "0", "--http-port", "0", "rollout.temperature=-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tppo serve: config error:") and "temperature" in err
+    assert "\n" not in err
+
+
+def test_serve_http_port_clash_is_one_line(capsys) -> None:
+    from tppo_jax.cli import main
+
+    assert main(["serve", "--port", "9123", "--http-port", "9123"]) == 2
+    assert "pick two ports" in capsys.readouterr().err

@@ -55,3 +55,31 @@ def test_items_are_named_by_the_trees_given(tmp_path):
     assert set(out) == {"beta"} and meta["step"] == 1
     np.testing.assert_array_equal(out["beta"]["b"], [1.0, 1.0])
     ck.close()
+
+
+def test_a_checkpoint_of_per_layer_params_is_refused_in_one_line(tmp_path):
+    """A step written before the decoder layers were stacked (its metadata names no
+    param layout) is refused with the cause, and kept: it is not damaged."""
+    import orbax.checkpoint as ocp
+    import pytest
+
+    from tppo_jax.train.checkpoint import CheckpointError
+
+    ck = Checkpointer(tmp_path / "ckpt", every=1, keep=5)
+    old = {"policy": {"layers": {"0": {"w": jnp.ones(3)}}}}
+    ck.mngr.save(1, args=ocp.args.Composite(policy=ocp.args.StandardSave(old["policy"]),
+                                            meta=ocp.args.JsonSave({"step": 1})))
+    ck.mngr.wait_until_finished()
+    for restore in (lambda: ck.restore_latest({"policy": {"layers": {"w": jnp.zeros((2, 3))}}}),
+                    lambda: ck.latest_good_item("policy", {"layers": {"w": jnp.zeros((2, 3))}})):
+        with pytest.raises(CheckpointError, match="per-layer decoder params") as e:
+            restore()
+        assert "\n" not in str(e.value)
+    assert ck.latest_step() == 1 and (tmp_path / "ckpt" / "1").exists()
+    ck.close()
+    # What this version writes restores.
+    ck = Checkpointer(tmp_path / "new", every=1, keep=5)
+    assert ck.save(1, _trees(1.0), {"step": 1})
+    step, trees, meta = ck.restore_latest(_trees(0.0))
+    assert step == 1 and meta["param_layout"] == "stacked-layers"
+    ck.close()

@@ -166,3 +166,65 @@ def test_failed_write_stops_with_one_line_and_keeps_the_previous_step(tmp_path, 
     step, trees, _ = ck.restore_latest(_trees(0.0))
     assert step == 1 and float(trees["kv_cache"]["w"][0]) == 1.0
     ck.close()
+
+
+def _save_unchecked(ck, step, trees, meta, *, manifest):
+    """Writes a step as a damaged (or pre-manifest) save would have left it: bypassing the
+    save's finite check, with or without its manifest."""
+    import orbax.checkpoint as ocp
+
+    from tppo_jax.train.checkpoint import PARAM_LAYOUT
+    from tppo_jax.train.manifest import write_manifest
+
+    args = {k: ocp.args.StandardSave(t) for k, t in trees.items()}
+    meta = {**meta, "param_layout": PARAM_LAYOUT}
+    ck.mngr.save(step, args=ocp.args.Composite(**args, meta=ocp.args.JsonSave(meta)),
+                 force=True)
+    ck.mngr.wait_until_finished()
+    if manifest:
+        write_manifest(ck.directory / str(step))
+
+
+@pytest.mark.parametrize("item", ["policy", "policy_opt", "slots"])
+def test_a_step_without_manifest_holding_nan_is_set_aside(tmp_path, caplog, item):
+    # Issue 49 M2: a step with no manifest was restored unverified, NaN and all.
+    ck = _two_steps(tmp_path)
+    trees = _trees(3.0)
+    trees[item]["w"] = trees[item]["w"].at[5].set(jnp.nan)
+    _save_unchecked(ck, 3, trees, {"step": 3}, manifest=False)
+    ck.close()
+    ck = Checkpointer(tmp_path / "ckpt", every=1, keep=5)
+    with caplog.at_level(logging.WARNING):
+        step, got, _ = ck.restore_latest(_trees(0.0))
+    assert step == 2 and bool(jnp.isfinite(got[item]["w"]).all())
+    assert f"step 3: non-finite values in {item} (no manifest" in caplog.text
+    assert (tmp_path / "ckpt" / "3.damaged").is_dir()
+    ck.close()
+
+
+def test_restored_params_are_checked_finite_even_when_verified(tmp_path, caplog):
+    ck = _two_steps(tmp_path)
+    trees = _trees(3.0)
+    trees["policy"]["b"] = trees["policy"]["b"].at[0].set(jnp.inf)
+    _save_unchecked(ck, 3, trees, {"step": 3}, manifest=True)
+    assert ck.verify(3) == []
+    with caplog.at_level(logging.ERROR):
+        got = ck.latest_good_item("policy", _trees(0.0)["policy"])  # eval / export / serve
+        assert got is not None and got[0] == 2
+        assert ck.restore_latest(_trees(0.0))[0] == 2  # a resume
+    assert "non-finite values in policy" in caplog.text
+    ck.close()
+
+
+@pytest.mark.parametrize("text", ["[]", '{"files": []}', '{"files": {"a": 3}}', "null"])
+def test_a_manifest_of_the_wrong_shape_is_damage(tmp_path, text):
+    # Issue 49 L3: a manifest that is `[]` raised AttributeError instead of "damaged".
+    ck = _two_steps(tmp_path)
+    (tmp_path / "ckpt" / "2" / MANIFEST).write_text(text)
+    problems = ck.verify(2)
+    if text == "null":  # JSON null reads as no manifest: restored only when finite
+        assert problems is None
+    else:
+        assert problems == [f"(step) {MANIFEST}: not a manifest of files (damaged)"]
+        assert ck.restore_latest(_trees(0.0))[0] == 1
+    ck.close()

@@ -9,6 +9,8 @@ both at import.
 import subprocess
 import sys
 
+import pytest
+
 TEST = '''
 import jax.numpy as jnp
 
@@ -28,6 +30,7 @@ def test_importing_the_server_leaves_root_logging_alone():
     assert r.returncode == 0, r.stderr[-2000:]
 
 
+@pytest.mark.slow  # ~11 s in one process on 2 shared cores
 def test_pytest_run_exits_without_a_logging_error(tmp_path):
     (tmp_path / "test_child.py").write_text(TEST)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

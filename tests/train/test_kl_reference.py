@@ -81,6 +81,7 @@ def _update(kl_coef, params, ref, graphdef, batch, estimator="k3"):
 
 
 @pytest.mark.parametrize("estimator", ["k3", "exact"])
+@pytest.mark.slow  # ~28 s in one process on 2 shared cores
 def test_penalty_is_zero_at_the_reference_and_pulls_back_once_moved(estimator):
     graphdef, state = nnx.split(create_model(ModelConfig.tiny(vocab_size=32)))
     base = nnx.to_pure_dict(state)
@@ -105,6 +106,7 @@ SMALL = ["train.warmstart_steps=20", "logging.tensorboard=false", "train.compile
          "algo.kl_coef=0.1"]
 
 
+@pytest.mark.slow  # ~59 s in one process on 2 shared cores
 def test_run_reference_is_the_starting_policy_and_survives_updates(tmp_path):
     from tppo_jax.train.collect import collect
     from tppo_jax.train.loop import TrainHooks, maybe_checkpoint, update

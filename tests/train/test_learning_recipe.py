@@ -59,6 +59,7 @@ def _first_rollout(tmp_path, extra):
         return cfg, roll, state.value, value
 
 
+@pytest.mark.slow  # ~42 s in one process on 2 shared cores
 def test_bias_init_is_the_first_rollouts_mean_reward(tmp_path):
     cfg, roll, old, new = _first_rollout(tmp_path, ["algo.value_bias_init=mean_reward",
                                                     "reward.wrong=-1.0"])
@@ -216,6 +217,7 @@ def test_policy_trains_response_is_the_window_when_l_covers_l(baseline):
         np.testing.assert_allclose(resp[k], window[k], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow  # ~46 s in one process on 2 shared cores
 def test_policy_trains_response_updates_on_finished_rows_only(tmp_path):
     from tppo_jax.train.loop import TrainHooks, update
 

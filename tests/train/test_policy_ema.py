@@ -48,6 +48,7 @@ def _close(a, b, **kw) -> None:
         np.testing.assert_allclose(x, y, **kw)
 
 
+@pytest.mark.slow  # ~56 s in one process on 2 shared cores
 def test_run_averages_the_policy_checkpoints_and_reads_the_average(tmp_path):
     from tppo_jax.cli.runs import load_run_policy
     from tppo_jax.train.collect import collect
@@ -90,6 +91,7 @@ def test_run_averages_the_policy_checkpoints_and_reads_the_average(tmp_path):
         _close(state.policy, saved_live, rtol=0, atol=0)
 
 
+@pytest.mark.slow  # ~14 s in one process on 2 shared cores
 def test_off_adds_nothing(tmp_path):
     cfg = load_config("smoke", [*SMALL, "train.steps=1"])
     with contextlib.ExitStack() as stack:

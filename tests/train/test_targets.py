@@ -34,6 +34,7 @@ def _window_batch(lengths, seed=0):
 
 
 @pytest.mark.parametrize("lam_critic", [1.0, 0.9])
+@pytest.mark.slow  # ~9 s in one process on 2 shared cores
 def test_grouped_targets_equal_one_full_width_pass(lam_critic):
     """Rows of 8..96 columns over 3 width buckets, in groups of 2-4 rows: every target
     (advantages, returns, masks, ``values_old``) equals the one-width pass's, values past a

@@ -58,7 +58,7 @@ def test_smoke_train_then_resume(tmp_path):
     r = _tppo("eval", str(run), "--show", "2", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("=== prompt\nQ: ") == 2 and "--- completion" in r.stdout
-    res = json.loads((run / "eval_6.json").read_text())
+    res = json.loads((run / "eval_6_run-k4-t1-p1.json").read_text())
     k = res["k"]
     assert 0.0 <= res[f"avg@{k}"] <= res[f"pass@{k}"] <= 100.0 and res["questions"] > 0
     # The default protocol is the run's: `tppo eval` reproduces the in-run held-out eval.
@@ -69,7 +69,7 @@ def test_smoke_train_then_resume(tmp_path):
     # eval before training graded, question by question.
     r = _tppo("eval", str(run), "--start", "--greedy", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    start = json.loads((run / "eval_start.json").read_text())
+    start = json.loads((run / "eval_start_greedy.json").read_text())
     before = json.loads((run / "summary.json").read_text())["eval_before"]
     assert start["start"] and start["step"] == 0
     assert start["correct_mask"] == before["greedy_correct_mask"]

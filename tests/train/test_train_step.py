@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from tppo_jax import algo
@@ -99,6 +100,7 @@ def test_whiten_center_false_scales_without_shifting_so_signs_stay():
     assert abs(centred.mean()) < 1e-5 and abs(a.mean()) > 1e-3
 
 
+@pytest.mark.slow  # ~11 s in one process on 2 shared cores
 def test_nan_loss_skips_update():
     model = create_model(ModelConfig.tiny(vocab_size=32))
     gd, st = nnx.split(model)
@@ -126,6 +128,7 @@ def test_nan_loss_skips_update():
     assert isinstance(tx, optax.GradientTransformation)
 
 
+@pytest.mark.slow  # ~11 s in one process on 2 shared cores
 def test_gradient_accumulation_matches_one_big_batch():
     """Two identical micro-batches accumulated == one step on their concatenation."""
     model = create_model(ModelConfig.tiny(vocab_size=32))

@@ -56,6 +56,7 @@ def test_policy_lr_decays_to_zero_over_its_training_steps():
     assert float(lr_schedule(1.0, optim)(n + 20)) == pytest.approx(1.0)  # no decay: constant
 
 
+@pytest.mark.slow  # ~14 s in one process on 2 shared cores
 def test_warmup_counts_training_steps_not_updates():
     optim = OptimConfig(warmup_steps=5, minibatches=4, epochs=2)
     assert updates_per_step(optim) == 8
@@ -75,6 +76,7 @@ def test_warmup_counts_training_steps_not_updates():
     assert _counts(opt) and set(_counts(opt)) == {8}
 
 
+@pytest.mark.slow  # ~9 s in one process on 2 shared cores
 def test_empty_minibatch_takes_no_step():
     optim = OptimConfig(warmup_steps=1, minibatches=2)
     cfg = StepConfig(algo=AlgoConfig(), optim=optim, window=S, temperature=1.0)
@@ -136,6 +138,7 @@ def test_positive_example_mask_uses_the_graders_verdict():
                                         [0, 0, 1, 1, 0, 0]])
 
 
+@pytest.mark.slow  # ~10 s in one process on 2 shared cores
 def test_minibatches_are_shuffled_per_epoch_reproducibly():
     keys = np.array([[0.3, 0.0], [0.1, 0.1], [0.2, 0.2], [0.0, 0.3]])
     plan = plan_update(np.full(4, 5), minibatches=2, epochs=2, grad_accum=1, unit=1, cap=32,
@@ -165,6 +168,7 @@ def test_minibatches_are_shuffled_per_epoch_reproducibly():
     assert any(not np.allclose(a, b) for a, b in zip(outs[0], outs[2], strict=True))
 
 
+@pytest.mark.slow  # ~13 s in one process on 2 shared cores
 def test_first_minibatch_ratio_stats_are_reported_apart():
     """On-policy samples: the first minibatch (no update yet) sees ratio 1 exactly; the
     averaged ratio moves once earlier minibatches have changed the policy."""

@@ -85,6 +85,7 @@ def _rows_of_lengths(lengths, width, seed=0):
 
 
 @pytest.mark.parametrize("aggregation", ["token", "sample"])
+@pytest.mark.slow  # ~26 s in one process on 2 shared cores
 def test_row_groups_give_the_minibatchs_step(aggregation):
     """Rows of 5..90 columns in 3 width buckets, updated as row groups, move params exactly
     as one pass over the whole batch at the full width (every row in one group)."""
@@ -113,6 +114,7 @@ def test_row_groups_give_the_minibatchs_step(aggregation):
             np.testing.assert_allclose(outs[0][1][k], v, rtol=2e-4, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow  # ~18 s in one process on 2 shared cores
 def test_varying_widths_compile_policy_update_a_bounded_number_of_times():
     """12 'steps' whose rows vary over 12 distinct lengths compile the group gradient once per
     width bucket (3 here; every group 2 rows), not once per length; the watch counts the
@@ -144,6 +146,7 @@ def test_varying_widths_compile_policy_update_a_bounded_number_of_times():
     assert watch.take() == (0, 0.0)  # nothing compiled since
 
 
+@pytest.mark.slow  # ~14 s in one process on 2 shared cores
 def test_first_update_compiles_once_per_shape():
     """The trainer's initial optimizer state looks exactly like an update's output (committed,
     on the mesh), so the second step reuses the first step's executable."""
@@ -183,6 +186,7 @@ def test_detach_prefix_plans_forward_only_columns_before_every_window():
         lengths, minibatches=1, epochs=1, grad_accum=1, unit=1, cap=320)[0].groups)
 
 
+@pytest.mark.slow  # ~25 s in one process on 2 shared cores
 def test_detach_prefix_update_keeps_the_loss_and_moves_the_params_nearly_alike():
     """On rows whose trained tokens are a late window, the detached update reports the same
     loss (the forward's values are the full one's) and takes a step close to, but not equal

@@ -7,6 +7,7 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from tppo_jax.config import load_config
 from tppo_jax.train.setup import setup
@@ -42,6 +43,7 @@ def _pretrained(tmp_path, name, extra=()):
     return before, got, policy_same, opt_count, run.run_dir
 
 
+@pytest.mark.slow  # ~39 s in one process on 2 shared cores
 def test_pretrained_critic_is_cached_and_shared_by_ppo(tmp_path):
     before, tppo, policy_same, counts, run_dir = _pretrained(tmp_path, "tppo")
     assert policy_same  # the policy is frozen

@@ -167,3 +167,46 @@ def test_wandb_is_off_by_default_and_may_change_on_resume(tmp_path, monkeypatch)
     assert [r["step"] for r in _train_three_steps(tmp_path, None)] == [1, 2, 3]
     for key in ("logging.wandb", "logging.wandb_project", "logging.tensorboard"):
         assert not frozen(key)
+
+
+def _tb_scalars(run_dir: Path) -> dict[str, dict[int, float]]:
+    """``{tag: {step: value}}`` read back from the run's TensorBoard event files."""
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, dict[int, float]] = {}
+    for f in sorted((run_dir / "tensorboard").glob("events.*")):
+        data = f.read_bytes()
+        i = 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4  # length, its crc, the record, its crc
+            for v in event.summary.value:
+                out.setdefault(v.tag, {})[event.step] = v.simple_value
+    return out
+
+
+def test_held_out_evals_reach_evals_jsonl_tensorboard_and_wandb(tmp_path, wandb_offline):
+    """Before / during / after evals: each one line of evals.jsonl with its step; before
+    and after also to TensorBoard and W&B as eval_<key> at their step (during ones reach
+    them through the step's metrics row)."""
+    cfg = load_config(None, ["logging.wandb=true", "logging.wandb_project=tppo-test"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    m = MetricsWriter(run_dir, tensorboard=True, wandb=wandb_settings(cfg))
+    m.write_eval(0, "before", {"accuracy": 10.0, "greedy_accuracy": 20.0, "mask": "x."})
+    m.write(1, {"reward_mean": 0.5})
+    m.write(2, {"reward_mean": 0.75, "eval_accuracy": 30.0})
+    m.write_eval(2, "during", {"accuracy": 30.0}, loggers=False)
+    m.write_eval(2, "after", {"accuracy": 40.0, "greedy_accuracy": 50.0})
+    m.close()
+    rows = [json.loads(x) for x in (run_dir / "evals.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["which"], r["accuracy"]) for r in rows] == [
+        (0, "before", 10.0), (2, "during", 30.0), (2, "after", 40.0)]
+    tb = _tb_scalars(run_dir)
+    assert tb["eval_accuracy"] == {0: 10.0, 2: 40.0}  # the after eval is the last at step 2
+    assert tb["eval_greedy_accuracy"] == {0: 20.0, 2: 50.0}
+    (run,) = offline_runs(wandb_offline, (run_dir / ID_FILE).read_text().strip())
+    h = run["history"]
+    assert h[0]["eval_accuracy"] == 10.0 and h[2]["eval_greedy_accuracy"] == 50.0
+    assert "eval_mask" not in h[0]

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tppo",
         description="Truncated PPO (T-PPO) and VAPO for reasoning LLMs, in JAX/Flax NNX.",
     )
+    from tppo_jax.version import version
+
+    parser.add_argument("--version", action="version", version=f"tppo-jax {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, add_args, run) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -74,8 +74,6 @@ def cmd_benchmark(args: argparse.Namespace, load_run: Callable[[Path, int | None
     from tppo_jax.cli.policy import is_run_dir, load_policy, resolve_policy_path
     from tppo_jax.eval.benchmark import load_questions, resolve_benchmark
 
-    if args.show:
-        raise ConfigError("--show: only for the held-out eval, not with --benchmark")
     bench = resolve_benchmark(args.benchmark, args.format, args.split)
     path = resolve_policy_path(args.run_dir, "model")
     base = None
@@ -92,20 +90,40 @@ def cmd_benchmark(args: argparse.Namespace, load_run: Callable[[Path, int | None
     policy = load_policy(str(path), dtype=base.model.dtype if base else "float32",
                          load_run=load_run, step=args.step, flag="model")
     policy = replace(policy, ref=args.run_dir)  # a Hub id as written, not its cache path
-    report = _evaluate(args, bench, rows, policy, _benchmark_config(policy, base, bench))
-    out = Path(args.out) if args.out else default_out(policy, bench, args.limit)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    cfg = _benchmark_config(policy, base, bench)
+    report = _evaluate(args, bench, rows, policy, cfg)
     from tppo_jax.eval.benchmark import format_table, report_json
+    from tppo_jax.eval.diagnose import no_answer_warning, protocol_tag
 
+    tag = protocol_tag(report["protocol"], greedy=args.greedy)
+    out = Path(args.out) if args.out else default_out(policy, bench, args.limit, tag)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report_json(report))
+    if args.show:
+        from tppo_jax.data.prompts import prompt_builder
 
+        prompts = prompt_builder(cfg, policy.tokenizer)
+        show_questions(report, [prompts.text(e) for e in rows[:args.show]])
     print(format_table(report))
-    at_max = report["metrics"]["greedy_at_max_tokens"]
+    m = report["metrics"]
+    at_max = m["greedy_at_max_tokens"]
     if at_max is not None and at_max > AT_MAX_WARN:
         print(f"warning: {at_max:.0f}% of greedy answers ran to --max-tokens "
               f"{report['protocol']['max_tokens']} (cut off); raise it", file=sys.stderr)
+    if warn := no_answer_warning(m["greedy_no_answer"], report["protocol"]["answer_format"]):
+        print(warn, file=sys.stderr)
     print(f"wrote {out}")
     return 0
+
+
+def show_questions(report: dict[str, Any], prompts: list[str]) -> None:
+    """Prints the first ``len(prompts)`` questions' prompt, greedy completion, the answer
+    found and its grade, with why it was not graded (``--show N``)."""
+    for q, prompt in zip(report["per_question"], prompts, strict=False):
+        why = f" ({q['greedy_why']})" if q.get("greedy_why") else ""
+        print(f"=== question {q['index']} ({q['id']})\n{prompt}"
+              f"\n--- greedy completion\n{q['greedy_completion']}\n--- found "
+              f"{q['greedy_answer']!r}, gold {q['answer']!r}: {q['greedy_reason']}{why}\n")
 
 
 def _benchmark_config(policy: LoadedPolicy, base: Config | None, bench: Benchmark) -> Config:
@@ -147,13 +165,15 @@ def _evaluate(args: argparse.Namespace, bench: Benchmark, rows: list, policy: Lo
     return build_report(bench, model, protocol, answer_format, prompt, args.limit, result)
 
 
-def default_out(policy: LoadedPolicy, bench: Benchmark, limit: int | None) -> Path:
-    """``RUN/bench_<name>_<step>.json`` for a run's checkpoint, else
-    ``results-eval/<model>/<name>.json`` (a Hub id's ``/`` as ``--``); a ``--limit`` look
-    gets its own file, never overwriting a full eval."""
+def default_out(policy: LoadedPolicy, bench: Benchmark, limit: int | None,
+                tag: str = "greedy") -> Path:
+    """``RUN/bench_<name>_<step>_<tag>.json`` for a run's checkpoint, else
+    ``results-eval/<model>/<name>_<tag>.json`` (a Hub id's ``/`` as ``--``); ``tag`` names
+    the protocol (``eval.diagnose.protocol_tag``) and a ``--limit`` look gets its own file,
+    so no eval overwrites one drawn differently."""
     name = bench.name + (f"-limit{limit}" if limit else "")
     if policy.cfg is not None:
-        return Path(policy.ref) / f"bench_{name}_{policy.step}.json"
+        return Path(policy.ref) / f"bench_{name}_{policy.step}_{tag}.json"
     local = Path(policy.ref)
     model = local.resolve().name if local.is_dir() else policy.ref.replace("/", "--")
-    return RESULTS_DIR / model / f"{name}.json"
+    return RESULTS_DIR / model / f"{name}_{tag}.json"

@@ -36,6 +36,12 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for the TPU (default: 1 h, 24 h when queued)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the commands (a shell script) instead of running them")
+    p.add_argument("--force", action="store_true",
+                   help="launch even when the config does not fit the slice's HBM")
+    p.add_argument("--plan", choices=("auto", "compiled", "arithmetic"), default="auto",
+                   help="how the fit is checked: compiled by the TPU compiler (tppo plan "
+                        "--compile, --stop-early), the arithmetic plan, or auto: compiled "
+                        "where libtpu is installed")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides passed to tppo train")
 
@@ -74,14 +80,42 @@ def cmd_launch(args: argparse.Namespace) -> int:
             best_effort=args.best_effort, repo=args.repo, overrides=tuple(args.overrides),
             resume=args.resume, keep=args.keep)
         steps = build_steps(spec)
+        # Last, after the cheap checks: the compiled plan takes a while.
+        if not args.force:
+            why = fit_refusal(cfg, tpu.name, config_name=args.config, plan=args.plan)
+            if why:
+                raise LaunchError(f"{why} (--force launches anyway)")
         if args.dry_run:
             print(render(spec, steps), end="")
             return 0
         timeout = args.wait_timeout or (86400.0 if queued else 3600.0)
         return run_steps(spec, steps, wait_timeout_s=timeout)
-    except LaunchError as e:
+    except (LaunchError, ValueError) as e:  # ConfigError, TopologyError: one line
         print(f"tppo launch: {e}", file=sys.stderr)
         return 2
+
+
+def fit_refusal(cfg, tpu_type: str, *, config_name: str = "", plan: str = "auto") -> str | None:
+    """One line saying why ``cfg`` does not fit ``tpu_type``, or None when it fits: the
+    compiled plan (``tppo_jax.compile``, stopping at the first program that does not fit;
+    ``plan="auto"``: where libtpu is installed), else the arithmetic one."""
+    from tppo_jax.launch import GIB
+    from tppo_jax.plan import plan_memory
+    from tppo_jax.platform import libtpu_version, parse_topology, require_tpu_compiler
+
+    if plan == "compiled":
+        require_tpu_compiler()
+    if plan == "compiled" or (plan == "auto" and libtpu_version() is not None):
+        from tppo_jax.compile import compile_plan, refusal
+
+        return refusal(compile_plan(cfg, parse_topology(tpu_type), stop_early=True,
+                                    config_name=config_name))
+    p = plan_memory(cfg, tpu_type)
+    if p["fits"]:
+        return None
+    return (f"{config_name or 'config'} does not fit {tpu_type} (arithmetic plan; "
+            f"install the TPU compiler for the compiled one): {p['total_bytes'] / GIB:.2f} GiB "
+            f"per chip of {p['hbm_bytes'] / GIB:.2f} GiB")
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
@@ -90,22 +124,59 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default=None,
                    help="architecture (default: from model.path), e.g. qwen2.5-32b")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--compile", action="store_true",
+                   help="compile every program of a step with the TPU compiler for the "
+                        "topology (v5litepod-8, v5p-512 or a grid such as v5e:2x2; needs "
+                        "libtpu: pip install -e \".[tpu]\"); exit 0 fits, 1 does not, 2 error")
+    p.add_argument("--out", default=None, help="--compile: write the report as JSON here")
+    p.add_argument("--programs", default=None,
+                   help="--compile: only these kinds, comma-separated (policy_update, "
+                        "policy_apply, value_update, value_apply, targets, rollout, eval)")
+    p.add_argument("--stop-early", action="store_true",
+                   help="--compile: stop at the first program that does not fit")
+    p.add_argument("--widest", action="store_true",
+                   help="--compile: the row-group programs at the widest width bucket only "
+                        "(their peak; a long model's compiles take minutes each)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Prints the per-chip memory table (or JSON); exit 0 whether or not it fits."""
-    from tppo_jax.config import load_config
+    """Prints the per-chip memory table (or JSON); exit 0 whether or not it fits. With
+    ``--compile``: the compiled report; exit 0 fits, 1 does not fit, 2 error."""
+    from tppo_jax.config import ConfigError, load_config
     from tppo_jax.launch import LaunchError
     from tppo_jax.plan import format_plan, plan_memory
 
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.compile:
+            return _compile(cfg, args)
         p = plan_memory(cfg, args.topology, args.arch)
-    except LaunchError as e:
+    except (LaunchError, ConfigError, ValueError) as e:
         print(f"tppo plan: {e}", file=sys.stderr)
         return 2
     print(json.dumps(p, indent=1) if args.json else format_plan(p))
+    return 0
+
+
+def _compile(cfg, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tppo_jax.compile import compile_plan, format_report, refusal
+    from tppo_jax.platform import parse_topology
+
+    topo = parse_topology(args.topology)
+    only = [k.strip() for k in args.programs.split(",")] if args.programs else None
+    name = Path(args.config).stem
+    report = compile_plan(cfg, topo, only=only, stop_early=args.stop_early,
+                          widest=args.widest, config_name=name, out=args.out,
+                          progress=lambda n: print(f"compiling {n}", file=sys.stderr,
+                                                   flush=True))
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    why = refusal(report)
+    if why:
+        print(f"tppo plan: {why}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -95,12 +95,14 @@ def abstract_policy(config_json: Path, dtype: str):
     return pdef, template
 
 
-def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True):
+def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True,
+                    start: bool = False):
     """(config, tokenizer, policy model, step, tokenizer file) of a run's checkpoint (the
-    newest whose policy verifies, by default). With checkpoints, only the run directory
-    is read: the policy is shaped from the model config and tokenizer the run keeps
-    (``warmstart/`` or ``model/``); without, it is the run's starting model. A LoRA run's
-    adapters are folded into the weights unless ``merge_lora`` is False."""
+    newest whose policy verifies, by default). Only the run directory is read: the policy
+    is shaped from the model config and tokenizer the run keeps (``warmstart/`` or
+    ``model/``). A LoRA run's adapters are folded into the weights unless ``merge_lora``
+    is False. ``start``: the run's starting policy (step 0) instead; without it, a run
+    with no checkpoint is a one-line ``ConfigError`` (never its warm-start as "step 0")."""
     from flax import nnx
 
     from tppo_jax.config import ConfigError
@@ -112,10 +114,17 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True)
         run_model_files,
     )
     from tppo_jax.train.ema import policy_item
-    from tppo_jax.train.setup import load_models
+    from tppo_jax.train.setup import load_models, load_policy
     from tppo_jax.train.warmstart import RUN_SUBDIR
 
     cfg = run_config(run_dir)
+    if start:
+        if step is not None:
+            raise ConfigError("--start and --step name different policies; give one")
+        tok, policy, tok_file = load_policy(cfg, run_dir, progress=False)
+        return cfg, tok, policy, 0, tok_file
+    if step is None:
+        require_checkpoint(run_dir, cfg)
     ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", every=0, keep=1000)
     try:
         if step is not None:
@@ -144,6 +153,43 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True)
     if found is not None:
         step, template = found
     return cfg, tok, nnx.merge(pdef, template), step or 0, tok_file
+
+
+def writable_parent(path: Path, what: str) -> None:
+    """Refuses, in one line, an output path whose folder is missing or not writable."""
+    import os
+
+    from tppo_jax.config import ConfigError
+
+    parent = path.parent if not path.is_dir() else path
+    if not parent.is_dir():
+        raise ConfigError(f"{what} {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {path}: cannot write in {parent} (permission denied)")
+
+
+def require_checkpoint(run_dir: Path, cfg: Config) -> None:
+    """Refuses, in one line, a run with no checkpoint to load (none written, every one set
+    aside as damaged, or a relative ``checkpoint.dir`` read from another working
+    directory), before anything loads or creates a folder."""
+    from tppo_jax.config import ConfigError
+    from tppo_jax.train.checkpoint import checkpoint_path, listed_steps
+
+    folder = checkpoint_path(cfg.checkpoint.dir or run_dir / "checkpoints")
+    steps, damaged = listed_steps(folder)
+    if steps:
+        return
+    if damaged:
+        why = f"{folder} holds only checkpoints set aside as damaged ({', '.join(damaged)})"
+    elif not folder.exists():
+        why = f"no checkpoint folder {folder}"
+    else:
+        why = f"{folder} has no checkpoint"
+    if cfg.checkpoint.dir and "://" not in cfg.checkpoint.dir and not Path(
+            cfg.checkpoint.dir).is_absolute():
+        why += f" (checkpoint.dir {cfg.checkpoint.dir!r} is relative to where the run started)"
+    raise ConfigError(f"{run_dir} has no usable checkpoint: {why}; pass --start to use the "
+                      f"run's starting policy")
 
 
 def run_config(run_dir: Path) -> Config:
@@ -223,9 +269,11 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=top_p, default=None,
                    help="in (0, 1]; default: the protocol's")
     p.add_argument("--greedy", action="store_true", help="one greedy sample per question")
-    p.add_argument("--out", default=None, help="results JSON (default: RUN_DIR/eval_<step>.json)")
+    p.add_argument("--out", default=None, help="results JSON (default: RUN_DIR/eval_<step>_"
+                   "<protocol tag>.json, e.g. eval_4_greedy.json, eval_4_run-k4-t1-p1.json)")
     p.add_argument("--show", type=non_negative_int, default=0, metavar="N",
-                   help="also print N held-out prompts with a completion and its grade")
+                   help="also print N prompts with a completion, the answer found and its "
+                   "grade (held-out or --benchmark)")
     add_benchmark_args(p)
 
 
@@ -241,16 +289,21 @@ def cmd_eval(args: argparse.Namespace) -> int:
     refuse_benchmark_options(args)
     from tppo_jax.data.prompts import prompt_builder
     from tppo_jax.data.run_data import prompt_rows
+    from tppo_jax.eval.diagnose import no_answer_warning, protocol_tag
     from tppo_jax.eval.heldout import EvalEngines, evaluate
     from tppo_jax.eval.protocol import protocol_named
-    from tppo_jax.rewards.grader import MathGrader
+    from tppo_jax.rewards.grader import MathGrader, answer_format_for
     from tppo_jax.rollout.decode import SamplingParams
 
     run_dir = Path(args.run_dir)
     if args.start and args.step is not None:
         raise ConfigError("tppo eval: --start and --step name different policies; give one")
+    if args.out is not None:  # before the eval, not after it
+        writable_parent(Path(args.out), "--out")
     cfg, tok, policy, step = (load_run_start(run_dir) if args.start
                               else load_run_policy(run_dir, args.step)[:4])
+    if args.out is None:
+        writable_parent(run_dir / "eval.json", "the run dir")
     cfg = with_eval_size(cfg, args.eval_size)
     _, eval_rows, encode = prompt_rows(cfg, tok)  # the rows and prompts the run evaluates
     prompts = prompt_builder(cfg, tok)
@@ -266,29 +319,41 @@ def cmd_eval(args: argparse.Namespace) -> int:
                        seed=protocol.seed, engines=engines, **lens)
         if args.show > 0:
             _show_samples(policy, tok, eval_rows[:args.show], prompts, grader, sampling, lens,
-                          engines)
+                          engines, answer_format_for(cfg.data.format, cfg.reward.answer_format))
     res.update(step=step, start=args.start, k=k, greedy=args.greedy,
                questions=len(eval_rows), protocol=None if args.greedy else protocol.to_dict())
     name = "start" if args.start else str(step)
     size = f"_n{args.eval_size}" if args.eval_size is not None else ""
-    out = Path(args.out or run_dir / f"eval_{name}{size}.json")
+    tag = protocol_tag(protocol.to_dict(), greedy=args.greedy)
+    out = Path(args.out or run_dir / f"eval_{name}{size}_{tag}.json")
     out.write_text(json.dumps(res, indent=2))
     print(json.dumps(res))
+    warn = no_answer_warning(res.get("no_answer"),
+                             answer_format_for(cfg.data.format, cfg.reward.answer_format))
+    if warn:
+        print(warn, file=sys.stderr)
     return 0
 
 
-def _show_samples(policy, tok, rows, prompts, grader, sampling, lens, engines) -> None:
-    """Prints each row's prompt, one completion, and its grade (``tppo eval --show N``)."""
+def _show_samples(policy, tok, rows, prompts, grader, sampling, lens, engines,
+                  answer_format) -> None:
+    """Prints each row's prompt, one completion, the answer found in it and its grade, with
+    why it was not graded (``tppo eval --show N``)."""
+    from tppo_jax.eval.diagnose import why_not_graded
     from tppo_jax.eval.heldout import generate_answers
+    from tppo_jax.rewards.grader import extract_answer
 
     responses = generate_answers(policy, tok, [prompts.ids(e, tok) for e in rows],
                                  sampling=sampling, engines=engines, **lens)
     texts = [tok.decode(r) for r in responses]
-    graded = grader.grade(texts, [e.answer for e in rows])
+    graded = grader.grade(texts, [e.answer for e in rows], rows)
     for e, text, reason, reward in zip(rows, texts, graded.reasons, graded.rewards,
                                        strict=True):
+        found = extract_answer(text, answer_format=answer_format)
+        why = why_not_graded(reason, answer_format)
         print(f"=== prompt\n{prompts.text(e)}\n--- completion\n{text}\n--- answer "
-              f"{e.answer}: {reason} (reward {float(reward):g})\n")
+              f"{e.answer}: {reason} (reward {float(reward):g}; found {found!r})"
+              f"{f' ({why})' if why else ''}\n")
 
 
 def _export_args(p: argparse.ArgumentParser) -> None:
@@ -297,6 +362,9 @@ def _export_args(p: argparse.ArgumentParser) -> None:
                    "run's adapters alone in OUT/adapter/, PEFT's layout)")
     p.add_argument("--step", type=non_negative_int, default=None,
                    help="checkpoint step (default: latest)")
+    p.add_argument("--start", action="store_true",
+                   help="the run's starting policy (its warm-start or model) instead of a "
+                   "checkpoint; a run without a usable checkpoint is refused without it")
 
 
 ADAPTER_SUBDIR = "adapter"  # OUT/adapter/: a LoRA run's adapters alone, for PEFT
@@ -308,10 +376,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from tppo_jax.models.hf import save_peft_adapter, save_pretrained, write_special_ids
     from tppo_jax.models.lora import merge_lora
 
-    cfg, tok, policy, step, tok_file = load_run_policy(Path(args.run_dir), args.step,
-                                                       merge_lora=False)
     out = Path(args.out)
-    if cfg.model.lora_rank:  # the adapters alone (PEFT's layout), then merged weights
+    # save_pretrained makes the missing folders: the nearest existing one must be writable.
+    writable_parent(next(p for p in (out, *out.parents) if p.exists()) / "x", "export to")
+    cfg, tok, policy, step, tok_file = load_run_policy(Path(args.run_dir), args.step,
+                                                       merge_lora=False, start=args.start)
+    # The adapters alone (PEFT's layout), then merged weights; the start has no adapters.
+    if cfg.model.lora_rank and not args.start:
         base = cfg.model.path if cfg.model.source == "hf" else None
         save_peft_adapter(policy, out / ADAPTER_SUBDIR, alpha=cfg.model.lora_alpha,
                           base_model=base)
@@ -325,7 +396,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             shutil.copy(tok_file.parent / name, out / name)
     # transformers' generate stops only on the ids these files name (the tokenizer's own).
     write_special_ids(out, bos_id=tok.bos_id, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
-    print(f"exported policy of step {step} to {out}")
+    what = "the starting policy" if args.start else f"policy of step {step}"
+    print(f"exported {what} to {out}")
     return 0
 
 

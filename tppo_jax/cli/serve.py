@@ -13,7 +13,9 @@ Registered in the ``tppo`` command table by ``register(register_fn)``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -23,10 +25,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tppo_jax.cli.args import int_at_least, positive_float
+from tppo_jax.cli.args import (
+    add_config_args,
+    int_at_least,
+    non_negative_float,
+    positive_float,
+    top_p,
+)
+from tppo_jax.cli.log import log_to_stderr
 
 log = logging.getLogger("tppo.serve")
-DEFAULT_PORT = 9000
+DEFAULT_PORT = 9000  # JetStream gRPC
+DEFAULT_HTTP_PORT = 8000  # OpenAI-compatible HTTP
 DEFAULT_SLOTS = 8
 
 
@@ -85,9 +95,10 @@ def latest_warmstart(root: Path = Path("runs")) -> Path | None:
     return max(done, key=lambda d: (d / "DONE").stat().st_mtime, default=None)
 
 
-def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
+def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path, *, start: bool = False
                        ) -> tuple[Any, Any, str, str]:
-    """Returns ``(model, tokenizer, tokenizer_path, description)``."""
+    """Returns ``(model, tokenizer, tokenizer_path, description)``; ``start``: a run
+    directory's starting policy instead of its checkpoint."""
     from tppo_jax.cli.policy import is_run_dir, load_hf_folder, load_policy
 
     ckpt = Path(checkpoint) if checkpoint else None
@@ -98,9 +109,12 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
             p.name.isdigit() for p in (default_run / "checkpoints").glob("*")):
         run_dir = default_run
     if run_dir is not None:
+        from functools import partial
+
         from tppo_jax.cli.runs import load_run_policy
 
-        got = load_policy(str(run_dir), dtype=cfg.model.dtype, load_run=load_run_policy)
+        got = load_policy(str(run_dir), dtype=cfg.model.dtype,
+                          load_run=partial(load_run_policy, start=start))
         return got.model, got.tokenizer, str(got.tokenizer_file), got.description
     if ckpt is None and cfg.model.source == "hf" and cfg.model.path:
         from tppo_jax.models.hub import resolve_model
@@ -130,11 +144,18 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path
 
 # ---------------------------------------------------------------------------------- serve
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="YAML file or shipped config name")
+    add_config_args(p)
     p.add_argument("--checkpoint", default=None,
                    help="HF-format policy directory (tokenizer beside it or in its parent)")
+    p.add_argument("--start", action="store_true",
+                   help="with a run directory: its starting policy instead of a checkpoint "
+                   "(a run without a usable checkpoint is refused without it)")
     p.add_argument("--port", type=_port(allow_any=True), default=DEFAULT_PORT,
-                   help="1..65535, or 0 = any free port (printed on the READY line)")
+                   help="gRPC port: 1..65535, or 0 = any free port (printed on the READY line)")
+    p.add_argument("--http-port", type=_port(allow_any=True), default=DEFAULT_HTTP_PORT,
+                   help="OpenAI-compatible HTTP port (0 = any free port; printed on the "
+                        "OPENAI line)")
+    p.add_argument("--no-http", action="store_true", help="serve gRPC only")
     p.add_argument("--host", type=_host, default=None,
                    help="bind address (default 127.0.0.1 only)")
     p.add_argument("--slots", type=int_at_least(1), default=DEFAULT_SLOTS,
@@ -155,14 +176,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if (err := _serve_arg_error(args, host)) is not None:
         return _refuse(err)
     # JetStream logs every decode step at INFO on the root logger; keep that for --verbose.
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s", force=True)
-    cfg = load_config(args.config, [])
+    log_to_stderr(logging.DEBUG if args.verbose else logging.WARNING)
+    cfg = load_config(args.config, args.overrides)
     r = cfg.rollout
     scratch = Path(tempfile.mkdtemp(prefix="tppo-serve-"))
     try:
         try:
-            model, tok, tok_path, what = load_serving_model(args.checkpoint, cfg, scratch)
+            model, tok, tok_path, what = load_serving_model(args.checkpoint, cfg, scratch,
+                                                       start=args.start)
         except (OSError, ValueError) as e:  # no tokenizer / config.json, unreadable files
             return _refuse(f"cannot load the model to serve: {e}")
         prefill = _prefill_bucket(r.max_prompt_len)
@@ -178,19 +199,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server = EngineServer(engine, host=host, port=args.port).start()
         except OSError as e:  # the port was taken while the model loaded
             return _refuse(str(e))
+        try:
+            http = None if args.no_http else _start_http(server, tok, core, cfg, host,
+                                                         args.http_port, what)
+        except OSError as e:
+            server.stop()
+            return _refuse(f"HTTP port: {e}")
         stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
-        print(f"READY serving {what} on {server.host}:{server.port} "
-              f"({engine.max_concurrent_decodes} slots, {core.pages_total} KV pages)",
-              flush=True)
-        stop.wait()
-        print("stopping", flush=True)
-        server.stop()
-        print("stopped", flush=True)
+        # The servers stop whatever happens here: a stdout closed by the reader (`| head
+        # -1`) must not leave them holding their ports after SIGTERM.
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: stop.set())
+            if http is not None:
+                _say(f"OPENAI http://{http.host}:{http.port}/v1 (chat template: "
+                     f"{'the tokenizer' + chr(39) + 's' if tok.chat_template else 'plain'})")
+            _say(f"READY serving {what} on {server.host}:{server.port} "
+                 f"({engine.max_concurrent_decodes} slots, {core.pages_total} KV pages)")
+            stop.wait()
+            _say("stopping")
+        finally:
+            if http is not None:
+                http.stop()
+            server.stop()
+        _say("stopped")
         return 0
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _start_http(server: Any, tok: Any, core: Any, cfg: Any, host: str, port: int,
+                what: str) -> Any:
+    """The OpenAI-compatible HTTP server over ``server``'s driver (``decode_ids``)."""
+    from tppo_jax.rollout.tokenizer_adapter import encode_request_text
+    from tppo_jax.serve.openai import OpenAIServer
+
+    r = cfg.rollout
+    return OpenAIServer(server.decode_ids, tok, lambda text: encode_request_text(tok, text),
+                        sampling=core.sampling, model_name=Path(what).name or "tppo",
+                        max_tokens=r.max_response_len, max_tokens_limit=r.max_response_len,
+                        host=host, port=port).start()
 
 
 def _serve_arg_error(args: argparse.Namespace, host: str) -> str | None:
@@ -210,7 +258,27 @@ def _serve_arg_error(args: argparse.Namespace, host: str) -> str | None:
         ensure_port_free(host, args.port)
     except OSError as e:
         return str(e)
+    if args.no_http:
+        return None
+    if args.http_port == args.port and args.port != 0:
+        return f"--http-port and --port are both {args.port}; pick two ports"
+    try:
+        ensure_port_free(host, args.http_port)
+    except OSError as e:
+        return f"{e} (this is the HTTP port: pass --http-port, or --no-http)"
     return None
+
+
+def _say(line: str) -> None:
+    """Prints a status line; a closed stdout (its reader gone) sends the rest to /dev/null
+    instead of raising, so serving and stopping go on."""
+    try:
+        print(line, flush=True)
+    except (BrokenPipeError, ValueError, OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(devnull, sys.stdout.fileno())  # the exit's flush then finds no pipe
+        os.close(devnull)
 
 
 def _refuse(msg: str) -> int:
@@ -220,16 +288,65 @@ def _refuse(msg: str) -> int:
 
 # ------------------------------------------------------------------------------- generate
 def _generate_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", nargs="?", default="", help="prompt text")
-    p.add_argument("--port", type=_port(allow_any=False), default=DEFAULT_PORT)
+    p.add_argument("prompt", nargs="?", default="", help="the user message (or raw text: --raw)")
+    p.add_argument("--port", type=_port(allow_any=False), default=None,
+                   help=f"default {DEFAULT_HTTP_PORT} (HTTP), {DEFAULT_PORT} with --grpc")
     p.add_argument("--host", type=_host, default="127.0.0.1")
     p.add_argument("--max-tokens", type=int_at_least(1), default=64)
+    p.add_argument("--system", default=None, help="a system message before the prompt")
+    p.add_argument("--raw", action="store_true",
+                   help="send the prompt as raw text (no chat template)")
+    p.add_argument("--grpc", action="store_true",
+                   help="use the JetStream gRPC door (raw text; no sampling flags)")
+    p.add_argument("--temperature", type=non_negative_float, default=None,
+                   help="must equal the server's (it is fixed when the server starts)")
+    p.add_argument("--top-p", type=top_p, default=None, help="as --temperature")
     p.add_argument("--token-ids", type=_token_ids, default=None,
-                   help="comma-separated prompt token ids instead of text")
+                   help="comma-separated prompt token ids instead of text (gRPC; prints ids)")
     p.add_argument("--timeout", type=positive_float, default=120.0, help="seconds")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.grpc or args.token_ids is not None:
+        if args.temperature is not None or args.top_p is not None or args.system is not None:
+            print("tppo generate: --temperature, --top-p and --system need the HTTP door "
+                  "(leave out --grpc / --token-ids)", file=sys.stderr)
+            return 2
+        return _generate_grpc(args)
+    from tppo_jax.serve.client import ServerError, stream
+
+    if not args.prompt.strip():
+        print("tppo generate: give a prompt", file=sys.stderr)
+        return 2
+    body: dict[str, Any] = {"max_tokens": args.max_tokens}
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
+    if args.top_p is not None:
+        body["top_p"] = args.top_p
+    if args.raw:
+        path = "/v1/completions"
+        body["prompt"] = args.prompt if args.system is None else \
+            f"{args.system}\n\n{args.prompt}"
+    else:
+        path = "/v1/chat/completions"
+        sys_msg = [] if args.system is None else [{"role": "system", "content": args.system}]
+        body["messages"] = sys_msg + [{"role": "user", "content": args.prompt}]
+    port = args.port or DEFAULT_HTTP_PORT
+    try:
+        for piece in stream(args.host, port, path, body, timeout=args.timeout):
+            print(piece, end="", flush=True)
+    except ServerError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"\nerror: cannot reach {args.host}:{port} ({e}); is `tppo serve` running "
+              f"(its OPENAI line names the port)?", file=sys.stderr)
+        return 1
+    print(flush=True)
+    return 0
+
+
+def _generate_grpc(args: argparse.Namespace) -> int:
     import grpc
 
     import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
@@ -243,7 +360,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             token_ids=args.token_ids))
     else:
         req.text_content.CopyFrom(jetstream_pb2.DecodeRequest.TextContent(text=args.prompt))
-    with grpc.insecure_channel(f"{args.host}:{args.port}") as channel:
+    with grpc.insecure_channel(f"{args.host}:{args.port or DEFAULT_PORT}") as channel:
         stub = jetstream_pb2_grpc.OrchestratorStub(channel)
         try:
             for resp in stub.Decode(req, timeout=args.timeout):
@@ -260,7 +377,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- bench
 def register(register_fn: Callable[..., None]) -> None:
     """Adds ``serve`` and ``generate`` via ``register_fn(name, help, add, run)``."""
-    register_fn("serve", "serve the policy over JetStream gRPC (loopback by default)",
+    register_fn("serve", "serve the policy over OpenAI-compatible HTTP and JetStream gRPC "
+                "(loopback by default)",
                 _serve_args, cmd_serve)
-    register_fn("generate", "stream a completion from a running `tppo serve`",
+    register_fn("generate", "stream a chat completion from a running `tppo serve`",
                 _generate_args, cmd_generate)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tppo_jax.cli.args import add_config_args
+from tppo_jax.cli.log import log_to_stderr
 
 if TYPE_CHECKING:
     from tppo_jax.train.run_dir import RunDir
@@ -59,9 +60,7 @@ def setup_logging() -> None:
     """Our INFO lines (resume, warm-start, checkpoints) on stderr; libraries at WARNING.
     ``force``: importing Orbax already made absl call ``basicConfig()`` (level WARNING),
     which silently turned a later ``basicConfig(level=INFO)`` into a no-op."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s",
-                        force=True)
-    logging.getLogger("tppo_jax").setLevel(logging.INFO)
+    log_to_stderr(logging.WARNING, ours=logging.INFO)
 
 
 def start_over(rd: RunDir) -> None:

@@ -207,6 +207,11 @@ def _example(question: str, answer: str, solution: str | None, id_val: Any, row_
     """Final checks shared by every format; a missing/empty id falls back to ``row_id``."""
     if not answer:
         raise ValueError("empty answer")
+    from tppo_jax.rewards.grader import answer_problem  # math-verify: imported on first use
+
+    if (why := answer_problem(answer)) is not None:
+        shown = answer if len(answer) <= 40 else answer[:40] + "..."
+        raise ValueError(f"answer {shown!r} cannot be graded: {why}")
     ex_id = str(id_val) if id_val is not None and id_val != "" else row_id
     return MathExample(id=ex_id, question=question, answer=answer, solution=solution,
                        source=source)

@@ -86,6 +86,18 @@ def render_chat(template: str, messages: list[dict[str, str]], *, bos_token: str
                                      add_generation_prompt=add_generation_prompt)
 
 
+def chat_text(messages: list[dict[str, str]], tok: Tokenizer | None) -> str:
+    """A conversation as the prompt text a model answers: ``tok``'s chat template with the
+    assistant generation prompt when it has one; otherwise (the documented plain fallback)
+    the turns' contents joined by blank lines, then the ``Solution:`` cue that plain math
+    prompts end with."""
+    template = getattr(tok, "chat_template", None)
+    if template:
+        return render_chat(template, messages, bos_token=getattr(tok, "bos_token", "") or "",
+                           eos_token=getattr(tok, "eos_token", "") or "")
+    return "\n\n".join(m["content"] for m in messages) + PLAIN_CUE
+
+
 # ----------------------------------------------------------------------------------- builder
 @dataclass(frozen=True)
 class PromptBuilder:
@@ -120,7 +132,7 @@ class PromptBuilder:
         if self.chat_template is not None:
             return render_chat(self.chat_template, msgs, bos_token=self.bos_token,
                                eos_token=self.eos_token)
-        return "\n\n".join(m["content"] for m in msgs) + PLAIN_CUE
+        return chat_text(msgs, None)
 
     def ids(self, example: MathExample | str, tok: Tokenizer) -> list[int]:
         """Token ids of :meth:`text`; BOS once at most (see the module docstring)."""

@@ -29,6 +29,7 @@ import numpy as np
 
 from tppo_jax.config_checks import ConfigError
 from tppo_jax.data.formats import Format, MathExample
+from tppo_jax.eval.diagnose import why_not_graded
 from tppo_jax.eval.heldout import EvalEngines, GradedSamples, decode_and_grade
 from tppo_jax.eval.metrics import score
 from tppo_jax.eval.protocol import EvalProtocol
@@ -126,19 +127,20 @@ def run_benchmark(model: Any, tok: Any, rows: list[MathExample],
                                    seed=protocol.seed, **kw)
     g, s = _ordered(greedy, answer_format), _ordered(sampled, answer_format)
     return {"metrics": benchmark_metrics(g, s, protocol.max_tokens),
-            "per_question": per_question(rows, g, s),
+            "per_question": per_question(rows, g, s, answer_format),
             "max_prompt_tokens": kw["max_prompt_len"]}
 
 
 @dataclass(frozen=True)
 class _Ordered:
     """One pass's results in question order; ``answers``: the extracted answer of every
-    sample (None: none found), ``[N][k]``."""
+    sample (None: none found), ``[N][k]``; ``texts``: every completion, ``[N][k]``."""
 
     correct: np.ndarray
     reasons: np.ndarray
     lengths: np.ndarray
     answers: list[list[str | None]]
+    texts: list[list[str]]
 
 
 def _ordered(g: GradedSamples | None, answer_format: str) -> _Ordered | None:
@@ -148,10 +150,11 @@ def _ordered(g: GradedSamples | None, answer_format: str) -> _Ordered | None:
     k = g.correct.shape[1]
     mine = [extract_answer(t, answer_format=answer_format) for t in g.texts]
     flat = [a for part in mh.gather_json(mine) for a in part]
-    order = np.argsort(g.index, kind="stable")
-    answers = [flat[i * k:(i + 1) * k] for i in order.tolist()]
+    texts = [t for part in mh.gather_json(list(g.texts)) for t in part]
+    order = np.argsort(g.index, kind="stable").tolist()
     return _Ordered(g.correct[order], g.reasons[order], g.lengths.reshape(-1, k)[order],
-                    answers)
+                    [flat[i * k:(i + 1) * k] for i in order],
+                    [texts[i * k:(i + 1) * k] for i in order])
 
 
 def benchmark_metrics(greedy: _Ordered, sampled: _Ordered | None,
@@ -175,21 +178,24 @@ def benchmark_metrics(greedy: _Ordered, sampled: _Ordered | None,
     return {key: None if math.isnan(v) else v for key, v in out.items()}
 
 
-def per_question(rows: list[MathExample], greedy: _Ordered, sampled: _Ordered | None
-                 ) -> list[dict[str, Any]]:
+def per_question(rows: list[MathExample], greedy: _Ordered, sampled: _Ordered | None,
+                 answer_format: str = "boxed") -> list[dict[str, Any]]:
     """One entry per question, in benchmark order: its id, the gold answer, the greedy
-    answer found (None: no answer) with its verdict and grader reason, and with samples each
-    sample's verdict, reason and answer."""
+    completion, the answer found in it (None: no answer), its verdict, grader reason and
+    (when it was not graded) why; with samples each sample's verdict, reason, answer and
+    completion."""
     out = []
     for i, e in enumerate(rows):
+        reason = str(greedy.reasons[i, 0])
         q: dict[str, Any] = {
             "index": i, "id": e.id, "answer": e.answer,
             "greedy_answer": greedy.answers[i][0], "greedy_correct": bool(greedy.correct[i, 0]),
-            "greedy_reason": str(greedy.reasons[i, 0])}
+            "greedy_reason": reason, "greedy_why": why_not_graded(reason, answer_format),
+            "greedy_completion": greedy.texts[i][0]}
         if sampled is not None:
             q.update(correct=[bool(c) for c in sampled.correct[i]],
                      reasons=[str(r) for r in sampled.reasons[i]],
-                     sample_answers=sampled.answers[i])
+                     sample_answers=sampled.answers[i], sample_completions=sampled.texts[i])
         out.append(q)
     return out
 

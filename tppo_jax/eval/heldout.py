@@ -134,7 +134,8 @@ def decode_and_grade(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathE
                                  max_response_len=max_response_len, sampling=sampling, seed=seed,
                                  mesh=mesh, engines=engines, batch_size=batch_size)
     texts = [tok.decode(r) for r in responses]
-    graded = grader.grade(texts, [e.answer for e in mine for _ in range(k)])
+    graded = grader.grade(texts, [e.answer for e in mine for _ in range(k)],
+                          [e for e in mine for _ in range(k)])
     codes = np.array([REASONS.index(r) for r in graded.reasons], np.int64).reshape(len(mine), k)
     steps = (mh.gather_rows(np.array([verify_solution(t).all_valid for t in texts], bool))
              if check_steps else None)
@@ -171,6 +172,8 @@ def evaluate(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathExample],
         f"pass@{k}": metrics[f"pass@{k}"],
         "response_len_mean": float(g.lengths.mean()),
         "boxed_frac": float((g.reasons != "no_answer").reshape(-1).mean()),
+        # percent, as accuracies: answers with nothing the grader could read
+        "no_answer": float(100.0 * (g.reasons == "no_answer").reshape(-1).mean()),
         # Step-level checking (sympy verifier): all steps valid; right answer but a bad step.
         "steps_all_valid_frac": float(steps_ok.mean()),
         "right_answer_wrong_steps_frac": float((correct.reshape(-1) & ~steps_ok).mean()),

@@ -3,8 +3,10 @@
 The decoder never touches cache storage itself: during cached decoding each attention layer
 hands its freshly projected (and RoPE-rotated) ``q, k, v`` to
 ``cache.update_and_attend(layer_idx, q, k, v, positions, valid)``, which stores ``k, v`` and
-returns the attention output. That one method is the whole contract, so the rollout engine
-can swap ``DenseKVCache`` for a paged cache without changing the model.
+returns the attention output. The layers run as one ``lax.scan`` with the cache in its carry,
+so ``layer_idx`` is a traced int32 scalar: storage is stacked ``[L, ...]`` and a layer's
+write is an in-place scatter at its index. That one method is the whole contract, so the
+rollout engine can swap ``DenseKVCache`` for a paged cache without changing the model.
 
 Caches are pytrees (``flax.struct`` dataclasses) so a whole decode step jits, and every
 method is functional: it returns a new cache instead of mutating.
@@ -19,38 +21,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
+from tppo_jax.kernels.attention import MASK_VALUE, gqa_attention
 from tppo_jax.parallel.mesh import named_sharding
-
-# A large finite negative instead of -inf: a query whose keys are all masked (padding rows)
-# then gets a uniform softmax instead of NaNs that would poison gradients through `where`.
-MASK_VALUE = -1e30
-
-
-def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query scaled dot-product attention, softmax in float32.
-
-    Args:
-      q: ``[B, T, Hq, D]`` queries.
-      k: ``[B, S, Hkv, D]`` keys; ``Hq`` must be a multiple of ``Hkv``.
-      v: ``[B, S, Hkv, D]`` values.
-      mask: ``[B, T, S]`` bool, True where query t may attend to key s.
-
-    Returns:
-      ``[B, T, Hq, D]`` in ``q.dtype``.
-    """
-    b, t, hq, d = q.shape
-    hkv = k.shape[2]
-    group = hq // hkv
-    # Query heads h*group .. h*group+group-1 share kv head h (HF repeat_kv order).
-    qg = q.reshape(b, t, hkv, group, d)
-    scores = jnp.einsum(
-        "btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32
-    ) * (1.0 / jnp.sqrt(jnp.float32(d)))
-    scores = jnp.where(mask[:, None, None, :, :], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -75,25 +47,13 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     return out.reshape(b, 1, hq, d).astype(q.dtype)
 
 
-def causal_padding_mask(attention_mask: jax.Array | None, b: int, t: int) -> jax.Array:
-    """``[B, T, T]`` mask for full-sequence attention: causal by index, keys must be valid.
-
-    Args:
-      attention_mask: ``[B, T]`` (1/True = real token) or None (all valid).
-    """
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))[None]
-    if attention_mask is None:
-        return jnp.broadcast_to(causal, (b, t, t))
-    return causal & attention_mask.astype(bool)[:, None, :]
-
-
 @runtime_checkable
 class KVCache(Protocol):
     """What ``Transformer.forward_with_cache`` needs from a cache (dense or paged)."""
 
     def update_and_attend(
         self,
-        layer_idx: int,
+        layer_idx: jax.Array | int,
         q: jax.Array,
         k: jax.Array,
         v: jax.Array,
@@ -103,7 +63,7 @@ class KVCache(Protocol):
         """Stores this step's keys/values for layer ``layer_idx`` and attends.
 
         Args:
-          layer_idx: static Python int, the decoder layer.
+          layer_idx: the decoder layer, an int32 scalar (traced under the layer scan).
           q: ``[B, T, Hq, D]`` RoPE-rotated queries of the new tokens.
           k: ``[B, T, Hkv, D]`` RoPE-rotated keys of the new tokens.
           v: ``[B, T, Hkv, D]`` values of the new tokens.
@@ -171,7 +131,7 @@ class DenseKVCache:
 
     def update_and_attend(
         self,
-        layer_idx: int,
+        layer_idx: jax.Array | int,
         q: jax.Array,
         k: jax.Array,
         v: jax.Array,

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import pathlib
 from typing import Any
 
@@ -162,19 +163,29 @@ def write_special_ids(path: str | pathlib.Path, *, bos_id: int | None,
 
 @dataclasses.dataclass(frozen=True)
 class _TensorMap:
-    """``ours = hf.reshape(sum(groups, ())).transpose(perm)``; ``groups[i]`` splits HF dim i."""
+    """``ours = hf.reshape(sum(groups, ())).transpose(perm)``; ``groups[i]`` splits HF dim i.
+
+    A stacked decoder-layer param (``layers > 0``) is ``layers`` HF tensors, one per layer,
+    named ``hf_name.format(layer=n)``, stacked on a leading axis of ours."""
 
     hf_name: str
     groups: tuple[tuple[int, ...], ...]
     perm: tuple[int, ...]
+    layers: int = 0
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
         return tuple(math.prod(g) for g in self.groups)
 
+    def hf_names(self) -> list[str]:
+        """Every HF tensor this param reads, in layer order."""
+        if not self.layers:
+            return [self.hf_name]
+        return [self.hf_name.format(layer=n) for n in range(self.layers)]
+
 
 def _tensor_maps(cfg: ModelConfig) -> dict[tuple[Any, ...], _TensorMap]:
-    """Our state path -> HF tensor, for every parameter of ``Transformer(cfg)``."""
+    """Our state path -> HF tensor(s), for every parameter of ``Transformer(cfg)``."""
     h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     m: dict[tuple[Any, ...], _TensorMap] = {
@@ -183,21 +194,22 @@ def _tensor_maps(cfg: ModelConfig) -> dict[tuple[Any, ...], _TensorMap]:
     }
     if not cfg.tie_embeddings:
         m[("lm_head",)] = _TensorMap("lm_head.weight", ((v,), (h,)), (1, 0))
-    for n in range(cfg.num_layers):
-        pre, hf = ("backbone", "layers", n), f"model.layers.{n}."
-        m[pre + ("attn_norm", "scale")] = _TensorMap(hf + "input_layernorm.weight", ((h,),), (0,))
-        m[pre + ("mlp_norm", "scale")] = _TensorMap(
-            hf + "post_attention_layernorm.weight", ((h,),), (0,))
-        for name, heads in (("q", hq), ("k", hkv), ("v", hkv)):
-            proj = f"{hf}self_attn.{name}_proj."
-            m[pre + ("attn", name)] = _TensorMap(proj + "weight", ((heads, d), (h,)), (2, 0, 1))
-            if cfg.qkv_bias:
-                m[pre + ("attn", f"{name}_bias")] = _TensorMap(proj + "bias", ((heads, d),), (0, 1))
-        m[pre + ("attn", "o")] = _TensorMap(hf + "self_attn.o_proj.weight", ((h,), (hq, d)),
-                                            (1, 2, 0))
-        for name in ("gate", "up"):
-            m[pre + ("mlp", name)] = _TensorMap(f"{hf}mlp.{name}_proj.weight", ((i,), (h,)), (1, 0))
-        m[pre + ("mlp", "down")] = _TensorMap(hf + "mlp.down_proj.weight", ((h,), (i,)), (1, 0))
+    pre, hf, n = ("backbone", "layers"), "model.layers.{layer}.", cfg.num_layers
+
+    def layer(name: str, groups: tuple[tuple[int, ...], ...], perm: tuple[int, ...]):
+        return _TensorMap(hf + name, groups, perm, n)
+
+    m[pre + ("attn_norm", "scale")] = layer("input_layernorm.weight", ((h,),), (0,))
+    m[pre + ("mlp_norm", "scale")] = layer("post_attention_layernorm.weight", ((h,),), (0,))
+    for name, heads in (("q", hq), ("k", hkv), ("v", hkv)):
+        proj = f"self_attn.{name}_proj."
+        m[pre + ("attn", name)] = layer(proj + "weight", ((heads, d), (h,)), (2, 0, 1))
+        if cfg.qkv_bias:
+            m[pre + ("attn", f"{name}_bias")] = layer(proj + "bias", ((heads, d),), (0, 1))
+    m[pre + ("attn", "o")] = layer("self_attn.o_proj.weight", ((h,), (hq, d)), (1, 2, 0))
+    for name in ("gate", "up"):
+        m[pre + ("mlp", name)] = layer(f"mlp.{name}_proj.weight", ((i,), (h,)), (1, 0))
+    m[pre + ("mlp", "down")] = layer("mlp.down_proj.weight", ((h,), (i,)), (1, 0))
     return m
 
 
@@ -248,7 +260,8 @@ def _state_paths(state: Any) -> list[tuple[tuple[Any, ...], nnx.Variable]]:
 
 
 def from_pretrained(path: str | pathlib.Path, *, dtype: str = "float32",
-                    mesh: Mesh | None = None, remat: bool = False) -> Transformer:
+                    mesh: Mesh | None = None, remat: bool = False,
+                    attention: str = "auto") -> Transformer:
     """Loads an HF Qwen2/Llama checkpoint directory into a ``Transformer``.
 
     Args:
@@ -256,13 +269,15 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: str = "float32",
       dtype: param dtype of the returned model (tensors are cast on read).
       mesh: if given, every param is created directly in ``named_sharding(mesh, axes)``.
       remat: recompute each layer in the backward pass (activation memory of one layer).
+      attention: the training forward's attention (``kernels/attention.py`` ``IMPLS``).
     """
     path = pathlib.Path(path)
     cfg = config_from_hf(json.loads((path / "config.json").read_text()), dtype)
-    cfg = dataclasses.replace(cfg, remat=remat)
+    cfg = dataclasses.replace(cfg, remat=remat, attention=attention)
     files = _weight_files(path)
     maps = _tensor_maps(cfg)
-    missing = sorted(tm.hf_name for tm in maps.values() if tm.hf_name not in files)
+    missing = sorted(name for tm in maps.values() for name in tm.hf_names()
+                     if name not in files)
     if missing:
         raise ValueError(f"{path}: checkpoint is missing tensors: {', '.join(missing)}")
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -271,14 +286,19 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: str = "float32",
     leaves = []
     with contextlib.ExitStack() as stack:
         handles: dict[pathlib.Path, Any] = {}
-        for key, var in _state_paths(abs_state):
-            tm = maps[key]
-            fname = files[tm.hf_name]
+
+        def get_slice(name: str, tm: _TensorMap) -> Any:
+            fname = files[name]
             if fname not in handles:
                 handles[fname] = stack.enter_context(safe_open(str(fname), framework="numpy"))
-            sl = handles[fname].get_slice(tm.hf_name)
+            sl = handles[fname].get_slice(name)
             if tuple(sl.get_shape()) != tm.hf_shape:
-                raise ValueError(f"{tm.hf_name}: shape {sl.get_shape()} != expected {tm.hf_shape}")
+                raise ValueError(f"{name}: shape {sl.get_shape()} != expected {tm.hf_shape}")
+            return sl
+
+        for key, var in _state_paths(abs_state):
+            tm = maps[key]
+            slices = [get_slice(name, tm) for name in tm.hf_names()]
             shape = tuple(var.shape)
             if mesh is None:
                 sharding = SingleDeviceSharding(jax.local_devices()[0])  # this host's
@@ -286,8 +306,8 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: str = "float32",
                 sharding = named_sharding(mesh, var.get_metadata()["out_sharding"], shape)
             arr = jax.make_array_from_callback(
                 shape, sharding,
-                lambda idx, sl=sl, tm=tm, shape=shape: _read_slice(sl, tm, idx, shape).astype(
-                    np_dtype),
+                lambda idx, slices=slices, tm=tm, shape=shape: _read_param(
+                    slices, tm, idx, shape).astype(np_dtype),
             )
             leaves.append(var.replace(arr))
     treedef = jax.tree_util.tree_structure(
@@ -295,7 +315,17 @@ def from_pretrained(path: str | pathlib.Path, *, dtype: str = "float32",
     return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
 
 
-def _to_hf(x: jax.Array, tm: _TensorMap) -> np.ndarray:
+def _read_param(slices: list[Any], tm: _TensorMap, index: tuple[slice, ...],
+                shape: tuple[int, ...]) -> np.ndarray:
+    """``ours[index]`` read from its HF tensor(s): a stacked layer param reads the layers
+    ``index[0]`` covers, each through ``_read_slice``, and stacks them."""
+    if not tm.layers:
+        return _read_slice(slices[0], tm, index, shape)
+    lo, hi, _ = index[0].indices(shape[0])
+    return np.stack([_read_slice(slices[n], tm, index[1:], shape[1:]) for n in range(lo, hi)])
+
+
+def _to_hf(x: jax.Array | np.ndarray, tm: _TensorMap) -> np.ndarray:
     # Single-process gather; multi-host saving would need process_allgather first.
     arr = np.asarray(jax.device_get(x))
     return np.ascontiguousarray(arr.transpose(np.argsort(tm.perm)).reshape(tm.hf_shape))
@@ -313,13 +343,20 @@ def save_pretrained(model: Transformer, path: str | pathlib.Path, *,
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config
     maps = _tensor_maps(cfg)
-    tensors = {maps[k].hf_name: _to_hf(var.get_value(), maps[k])
-               for k, var in _state_paths(nnx.state(model, nnx.Param))}
+    tensors = {}
+    for k, var in _state_paths(nnx.state(model, nnx.Param)):
+        tm = maps[k]
+        if tm.layers:  # one HF tensor per layer of the stack
+            arr = np.asarray(jax.device_get(var.get_value()))
+            tensors.update((name, _to_hf(arr[n], tm)) for n, name in enumerate(tm.hf_names()))
+        else:
+            tensors[tm.hf_name] = _to_hf(var.get_value(), tm)
     (path / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
     meta = {"format": "pt"}
     total = sum(t.nbytes for t in tensors.values())
     if max_shard_bytes is None or total <= max_shard_bytes:
         save_file(tensors, str(path / "model.safetensors"), metadata=meta)
+        _as_umask_allows(path / "model.safetensors")
         return
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
@@ -333,9 +370,18 @@ def save_pretrained(model: Transformer, path: str | pathlib.Path, *,
     for n, shard in enumerate(shards, start=1):
         fname = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(path / fname), metadata=meta)
+        _as_umask_allows(path / fname)
         weight_map.update(dict.fromkeys(shard, fname))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _as_umask_allows(path: pathlib.Path) -> None:
+    """Gives ``path`` the mode a plain ``open`` would (0666 less the umask): safetensors
+    writes its files 0600, which other users' tools on a shared machine cannot read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 # --------------------------------------------------------------------------- LoRA adapters
@@ -352,12 +398,14 @@ def peft_adapter_tensors(model: Transformer) -> dict[str, np.ndarray]:
     ``W_hf + (alpha / r) B_hf A_hf`` is the merged HF weight. Our ``A`` spans the weight's
     contracted dims and ``B`` its output dims, each in HF's flattening order."""
     tensors = {}
-    for n, layer in enumerate(model.backbone.layers):
-        for owner in ("attn", "mlp"):
-            adapters = getattr(layer, owner).lora
-            for name, adapter in (adapters.items() if adapters is not None else ()):
-                a = np.asarray(jax.device_get(adapter.a[...]), np.float32)
-                b = np.asarray(jax.device_get(adapter.b[...]), np.float32)
+    layers = model.backbone.layers
+    for owner in ("attn", "mlp"):
+        adapters = getattr(layers, owner).lora
+        for name, adapter in (adapters.items() if adapters is not None else ()):
+            # Stacked: a [L, *contracted, r], b [L, r, *kept].
+            a_all = np.asarray(jax.device_get(adapter.a[...]), np.float32)
+            b_all = np.asarray(jax.device_get(adapter.b[...]), np.float32)
+            for n, (a, b) in enumerate(zip(a_all, b_all, strict=True)):
                 r = a.shape[-1]
                 pre = f"base_model.model.model.layers.{n}.{HF_PROJECTIONS[name]}."
                 tensors[pre + "lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, r).T)
@@ -381,4 +429,5 @@ def save_peft_adapter(model: Transformer, path: str | pathlib.Path, *, alpha: fl
               "r": rank, "lora_alpha": alpha, "target_modules": targets, "lora_dropout": 0.0,
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True}
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _as_umask_allows(path / "adapter_model.safetensors")
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -5,10 +5,11 @@ computes ``x.W + (x.A).B * alpha / rank``: ``A`` spans ``W``'s contracted (input
 rank, ``B`` the rank plus ``W``'s output dims; e.g. q ``[H, Hq, D]`` gets ``A [H, r]`` and
 ``B [r, Hq, D]``, o ``[Hq, D, H]`` gets ``A [Hq, D, r]`` and ``B [r, H]``. ``B`` starts at zero,
 so a fresh adapter leaves the model's outputs exactly as they were; ``A`` starts uniform in
-``+-1/sqrt(fan_in)`` (PEFT's default). Adapters are float32 ``nnx.LoRAParam``s (tiny next to the
-base; AdamW states in float32), cast to the activation dtype for the matmuls, and carry the
-logical axes of the base dims they span (the rank axis is replicated), so ``shard_model``
-places them like their base.
+``+-1/sqrt(fan_in)`` (PEFT's default). Like their bases, adapters are stacked over the decoder
+layers (a leading ``[L]`` axis, sliced per layer by the layer scan). Adapters are float32
+``nnx.LoRAParam``s (tiny next to the base; AdamW states in float32), cast to the activation
+dtype for the matmuls, and carry the logical axes of the base dims they span (the rank axis is
+replicated), so ``shard_model`` places them like their base.
 
 The adapters live inside the model (``module.lora``, used by ``transformer.project``): training,
 prefill, decode and evaluation run one forward, with the adapter path in it. ``merge_lora`` folds
@@ -82,50 +83,60 @@ def adapter_einsums(eq: str) -> Einsums:
 
 
 class LoraAdapter(nnx.Module):
-    """The low-rank update of one projection weight: ``(x.A).B * scale``."""
+    """The low-rank update of one projection weight: ``(x.A).B * scale``.
 
-    def __init__(self, base: nnx.Param, eq: str, rank: int, scale: float, key: jax.Array):
-        """``base``: the projection's weight (shape and logical axes); ``eq``: its einsum."""
+    Made for the stacked decoder layers: ``A [L, *contracted, r]``, ``B [L, r, *kept]`` (the
+    leading axis is the base's ``layers`` axis); the layer scan hands each layer its slice,
+    which ``__call__`` applies."""
+
+    def __init__(self, base: nnx.Param, eq: str, rank: int, scale: float, keys: jax.Array):
+        """``base``: the stacked projection weight ``[L, ...]`` (shape and logical axes);
+        ``eq``: its per-layer einsum; ``keys [L]``: one init key per layer."""
         e = adapter_einsums(eq)
-        shape = tuple(base.shape)
-        axes = base.get_metadata().get("out_sharding") or (None,) * len(shape)
+        layers, *shape = tuple(base.shape)
+        axes = base.get_metadata().get("out_sharding") or (None,) * (len(shape) + 1)
+        lead, axes = axes[0], axes[1:]
         a_shape = tuple(shape[i] for i in e.contracted) + (rank,)
         bound = 1.0 / math.sqrt(math.prod(a_shape[:-1]))  # 1/sqrt(fan_in)
-        a = jax.random.uniform(key, a_shape, jnp.float32, -bound, bound)
-        b = jnp.zeros((rank, *(shape[i] for i in e.kept)), jnp.float32)
-        self.a = nnx.LoRAParam(a, out_sharding=(*(axes[i] for i in e.contracted), None),
+        a = jax.vmap(lambda k: jax.random.uniform(k, a_shape, jnp.float32, -bound, bound))(keys)
+        b = jnp.zeros((layers, rank, *(shape[i] for i in e.kept)), jnp.float32)
+        self.a = nnx.LoRAParam(a, out_sharding=(lead, *(axes[i] for i in e.contracted), None),
                                eager_sharding=False)
-        self.b = nnx.LoRAParam(b, out_sharding=(None, *(axes[i] for i in e.kept)),
+        self.b = nnx.LoRAParam(b, out_sharding=(lead, None, *(axes[i] for i in e.kept)),
                                eager_sharding=False)
         self.eqs = e
         self.scale = scale
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """The update to the projection's output for activations ``x`` (``x``'s dtype)."""
+        """The update to the projection's output for activations ``x`` (``x``'s dtype); on
+        one layer's slice of the adapter (inside the layer scan)."""
         h = jnp.einsum(self.eqs.a, x, self.a[...].astype(x.dtype)) * jnp.asarray(self.scale,
                                                                                   x.dtype)
         return jnp.einsum(self.eqs.b, h, self.b[...].astype(x.dtype))
 
     def weight_delta(self) -> jax.Array:
-        """``scale * A.B`` shaped as the base weight (float32)."""
-        return self.scale * jnp.einsum(self.eqs.w, self.a[...], self.b[...])
+        """``scale * A.B`` shaped as the (stacked) base weight (float32)."""
+        lhs, out = self.eqs.w.split("->")
+        a, b = lhs.split(",")
+        return self.scale * jnp.einsum(f"...{a},...{b}->...{out}", self.a[...], self.b[...])
 
 
 def add_lora(model: nnx.Module, spec: LoraSpec, *, seed: int = 0) -> nnx.Module:
-    """Attaches fresh adapters (``B = 0``) for ``spec.targets`` to every decoder layer of
-    ``model`` (a ``Transformer`` or ``ValueModel``), in place; returns ``model``. Shard after
-    (``shard_model``): the adapters are made on the default device."""
+    """Attaches fresh adapters (``B = 0``) for ``spec.targets`` to the stacked decoder layers
+    of ``model`` (a ``Transformer`` or ``ValueModel``), in place; returns ``model``. Shard
+    after (``shard_model``): the adapters are made on the default device."""
     root = jax.random.key(seed)
-    for i, layer in enumerate(model.backbone.layers):
-        owners: dict[str, dict[str, LoraAdapter]] = {}
-        for j, name in enumerate(spec.targets):
-            owner, eq = PROJECTIONS[name]
-            key = jax.random.fold_in(root, i * len(PROJECTIONS) + j)
-            base = getattr(getattr(layer, owner), name)
-            owners.setdefault(owner, {})[name] = LoraAdapter(base, eq, spec.rank, spec.scale,
-                                                             key)
-        for owner, adapters in owners.items():
-            setattr(getattr(layer, owner), ADAPTERS, nnx.Dict(adapters))
+    layers = model.backbone.layers
+    num_layers = model.config.num_layers
+    owners: dict[str, dict[str, LoraAdapter]] = {}
+    for j, name in enumerate(spec.targets):
+        owner, eq = PROJECTIONS[name]
+        keys = jnp.stack([jax.random.fold_in(root, i * len(PROJECTIONS) + j)
+                          for i in range(num_layers)])
+        base = getattr(getattr(layers, owner), name)
+        owners.setdefault(owner, {})[name] = LoraAdapter(base, eq, spec.rank, spec.scale, keys)
+    for owner, adapters in owners.items():
+        setattr(getattr(layers, owner), ADAPTERS, nnx.Dict(adapters))
     return model
 
 
@@ -133,17 +144,17 @@ def merge_lora(model: nnx.Module) -> nnx.Module:
     """Folds every adapter into its base weight (``W + scale * A.B``, summed in float32, kept in
     the weight's dtype and sharding) and removes the adapters, in place; returns ``model``,
     now a plain model (what ``save_pretrained`` writes)."""
-    for layer in model.backbone.layers:
-        for owner in {o for o, _ in PROJECTIONS.values()}:
-            module = getattr(layer, owner)
-            if module.lora is None:
-                continue
-            for name, adapter in module.lora.items():
-                w = getattr(module, name)
-                old = w.get_value()
-                new = (old.astype(jnp.float32) + adapter.weight_delta()).astype(old.dtype)
-                w.set_value(jax.device_put(new, old.sharding))
-            delattr(module, ADAPTERS)
+    layers = model.backbone.layers
+    for owner in {o for o, _ in PROJECTIONS.values()}:
+        module = getattr(layers, owner)
+        if module.lora is None:
+            continue
+        for name, adapter in module.lora.items():
+            w = getattr(module, name)
+            old = w.get_value()
+            new = (old.astype(jnp.float32) + adapter.weight_delta()).astype(old.dtype)
+            w.set_value(jax.device_put(new, old.sharding))
+        delattr(module, ADAPTERS)
     return model
 
 

@@ -6,6 +6,12 @@ Layout conventions (JAX side; ``hf.py`` converts to/from HF's ``[out, in]``):
 - q ``[H, Hq, D]``, k/v ``[H, Hkv, D]``, o ``[Hq, D, H]``; biases ``[Hq|Hkv, D]``;
 - gate/up ``[H, I]``, down ``[I, H]``; norm scales ``[H]``.
 
+Decoder layers are stacked: ``Backbone.layers`` is one ``DecoderLayer`` whose every parameter
+has a leading ``[L]`` axis (logical axis ``layers``), e.g. q ``[L, H, Hq, D]``. Every forward
+(training, prefill, decode) runs one ``jax.lax.scan`` over that axis, so a program holds one
+layer's HLO whatever the depth (compile time and HLO size do not grow with ``L``);
+``ModelConfig.unroll_layers`` unrolls it for XLA cost analysis, which counts a loop body once.
+
 Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds *logical* axis names
 from ``parallel.mesh.LOGICAL_RULES``; ``shard_model`` / ``create_model`` turn them into
 NamedShardings. Eager sharding is off so building a model never needs a mesh.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,7 +32,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from tppo_jax.models.cache import DenseKVCache, KVCache, causal_padding_mask, gqa_attention
+from tppo_jax.kernels.attention import IMPLS, CausalMask, attention
+from tppo_jax.models.cache import DenseKVCache, KVCache
 from tppo_jax.parallel.mesh import named_sharding
 
 # ModelConfig.remat_policy -> jax.checkpoint policy (None = save nothing but the inputs).
@@ -68,6 +76,13 @@ class ModelConfig:
     # dots_with_no_batch_dims_saveable: the backward recomputes only norms, activations and
     # attention, for O(layers * B*T*(4H + 2I)) more activation memory).
     remat_policy: str = "full"
+    # Training-forward attention (``kernels/attention.py``): "auto" = splash on TPU, cuDNN on
+    # GPU, dense on CPU for short sequences and chunked beyond. Cached decoding is unaffected.
+    attention: str = "auto"
+    # Unroll the scan over the stacked layers (one HLO copy per layer): same values, same
+    # params; only for XLA cost analysis (``compiled.cost_analysis()`` counts a while-loop
+    # body once, so a scanned model reports one layer's FLOPs and bytes).
+    unroll_layers: bool = False
 
     def __post_init__(self) -> None:
         # Stored as sorted item tuples so the config is hashable (NNX keeps it as static
@@ -83,6 +98,8 @@ class ModelConfig:
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"remat_policy={self.remat_policy!r}; expected one of "
                              f"{sorted(REMAT_POLICIES)}")
+        if self.attention not in IMPLS:
+            raise ValueError(f"attention={self.attention!r}; expected one of {', '.join(IMPLS)}")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -193,6 +210,7 @@ class Attention(nnx.Module):
         self.v = _param(rngs, (h, hkv, d), ("embed", "kv_heads", "head_dim"), dt)
         self.o = _param(rngs, (hq, d, h), ("heads", "head_dim", "embed"), dt)
         self.qkv_bias = cfg.qkv_bias
+        self.impl = cfg.attention
         if cfg.qkv_bias:
             self.q_bias = _param(rngs, (hq, d), ("heads", "head_dim"), dt, "zeros")
             self.k_bias = _param(rngs, (hkv, d), ("kv_heads", "head_dim"), dt, "zeros")
@@ -204,30 +222,31 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
-    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: CausalMask,
                  inv_freq: jax.Array) -> jax.Array:
-        """``x [B, T, H]``, ``mask [B, T, T]`` -> ``[B, T, H]``."""
+        """``x [B, T, H]`` -> ``[B, T, H]``; ``mask`` over the T keys."""
         q, k, v = self._qkv(x, positions, inv_freq)
-        return project(self, "o", gqa_attention(q, k, v, mask))
+        return project(self, "o", attention(q, k, v, mask, self.impl))
 
     def with_cache(self, x: jax.Array, positions: jax.Array, valid: jax.Array,
-                   inv_freq: jax.Array, cache: KVCache, layer_idx: int):
-        """Cached variant: the cache stores k/v and does the attention."""
+                   inv_freq: jax.Array, cache: KVCache, layer_idx: jax.Array):
+        """Cached variant: the cache stores k/v and does the attention (``layer_idx``: this
+        layer's index into the cache's stacked ``[L, ...]`` storage, an int32 scalar)."""
         q, k, v = self._qkv(x, positions, inv_freq)
         out, cache = cache.update_and_attend(layer_idx, q, k, v, positions, valid)
         return project(self, "o", out), cache
 
     def split(self, xp: jax.Array, xs: jax.Array, pos_p: jax.Array, pos_s: jax.Array,
-              mask_p: jax.Array, mask_s: jax.Array, inv_freq: jax.Array):
+              mask_p: CausalMask, mask_s: CausalMask, inv_freq: jax.Array):
         """``__call__`` over a prefix ``xp [B, P, H]`` and the suffix ``xs [B, T-P, H]`` after
         it, the prefix's keys and values without gradient: ``(out_p, out_s)``.
-        ``mask_p [B, P, P]``, ``mask_s [B, T-P, T]`` (rows ``P:`` of the full mask)."""
+        ``mask_p`` over the P prefix keys, ``mask_s`` the suffix's (``q_offset`` P, T keys)."""
         qp, kp, vp = self._qkv(xp, pos_p, inv_freq)
         qs, ks, vs = self._qkv(xs, pos_s, inv_freq)
         kp, vp = jax.lax.stop_gradient(kp), jax.lax.stop_gradient(vp)
-        out_p = gqa_attention(qp, kp, vp, mask_p)
-        out_s = gqa_attention(qs, jnp.concatenate([kp, ks], 1), jnp.concatenate([vp, vs], 1),
-                              mask_s)
+        out_p = attention(qp, kp, vp, mask_p, self.impl)
+        out_s = attention(qs, jnp.concatenate([kp, ks], 1), jnp.concatenate([vp, vs], 1),
+                          mask_s, self.impl)
         return project(self, "o", out_p), project(self, "o", out_s)
 
 
@@ -282,23 +301,57 @@ def _default_positions(tokens: jax.Array) -> jax.Array:
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
 
 
-def _run_layer(layer: DecoderLayer, x, positions, mask, inv_freq) -> jax.Array:
-    return layer(x, positions, mask, inv_freq)
+def stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """``cfg.num_layers`` decoder layers as one ``DecoderLayer`` whose parameters have a
+    leading ``[L]`` axis (logical axis ``layers``); layer ``i`` draws its own init keys."""
+
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs: nnx.Rngs) -> DecoderLayer:
+        return DecoderLayer(cfg, rngs=rngs)
+
+    return make(rngs)
 
 
-def _run_split_layer(layer: DecoderLayer, xp, xs, pos_p, pos_s, mask_p, mask_s, inv_freq):
-    return layer.split(xp, xs, pos_p, pos_s, mask_p, mask_s, inv_freq)
+def layer_slice(layers: nnx.Module, i: int) -> nnx.Module:
+    """Layer ``i`` of stacked ``layers`` as a module of its own (a copy: for inspection and
+    tests; the forwards scan the stack instead)."""
+    graphdef, state = nnx.split(layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
 
 class Backbone(nnx.Module):
-    """Embedding + decoder layers + final norm; shared by the policy and the value model."""
+    """Embedding + decoder layers (stacked, scanned) + final norm; shared by the policy and
+    the value model."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.config = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"),
                             cfg.jnp_dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = stacked_layers(cfg, rngs)
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.jnp_dtype, rngs=rngs)
+
+    def scan_layers(self, step: Callable[[DecoderLayer, Any, jax.Array], Any], carry: Any, *,
+                    remat: bool = False) -> Any:
+        """``carry`` through every layer in order: ``carry = step(layer_i, carry, i)`` with
+        ``layer_i`` the per-layer module and ``i`` its int32 index, as one ``lax.scan`` over
+        the stacked params (unrolled with ``config.unroll_layers``). ``remat``: each layer
+        is a ``jax.checkpoint`` under ``config.remat_policy`` (the backward pass keeps the
+        carry per layer and recomputes the rest)."""
+        cfg = self.config
+        graphdef, state = nnx.split(self.layers)
+
+        def body(c: Any, xs: tuple[Any, jax.Array]) -> tuple[Any, None]:
+            layer_state, i = xs
+            return step(nnx.merge(graphdef, layer_state), c, i), None
+
+        if remat:
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy],
+                                  prevent_cse=False)
+        carry, _ = jax.lax.scan(body, carry, (state, jnp.arange(cfg.num_layers,
+                                                                dtype=jnp.int32)),
+                                unroll=cfg.unroll_layers)
+        return carry
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, grad_from: int = 0) -> jax.Array:
@@ -313,39 +366,44 @@ class Backbone(nnx.Module):
         update needs for a continuation whose trained window starts after ``P``: the
         earlier windows' columns cost a forward, not a forward and a backward.
         """
-        b, t = tokens.shape
         positions = _default_positions(tokens) if positions is None else positions
-        mask = causal_padding_mask(attention_mask, b, t)
+        mask = CausalMask.from_attention_mask(attention_mask)
         inv_freq = rope_inv_freq(self.config)
         x = jnp.take(self.embed[...], tokens, axis=0)
-        policy = REMAT_POLICIES[self.config.remat_policy]
         if grad_from:
-            return self._split(x, positions, mask, inv_freq, grad_from, policy)
-        run = nnx.remat(_run_layer, policy=policy) if self.config.remat else _run_layer
-        for layer in self.layers:
-            x = run(layer, x, positions, mask, inv_freq)
+            return self._split(x, positions, mask, inv_freq, grad_from)
+        x = self.scan_layers(lambda layer, h, _: layer(h, positions, mask, inv_freq), x,
+                             remat=self.config.remat)
         return self.final_norm(x)
 
-    def _split(self, x: jax.Array, positions: jax.Array, mask: jax.Array,
-               inv_freq: jax.Array, p: int, policy: Any) -> jax.Array:
+    def _split(self, x: jax.Array, positions: jax.Array, mask: CausalMask,
+               inv_freq: jax.Array, p: int) -> jax.Array:
         """The layers over ``x [B, T, H]`` with columns ``:p`` forward only."""
         if not 0 < p < x.shape[1]:
             raise ValueError(f"grad_from={p} must be in [0, {x.shape[1]}) columns")
-        run = (nnx.remat(_run_split_layer, policy=policy) if self.config.remat
-               else _run_split_layer)
-        xp, xs = jax.lax.stop_gradient(x[:, :p]), x[:, p:]
-        for layer in self.layers:
-            xp, xs = run(layer, xp, xs, positions[:, :p], positions[:, p:], mask[:, :p, :p],
-                         mask[:, p:], inv_freq)
+        pos_p, pos_s, mask_p, mask_s = (positions[:, :p], positions[:, p:], mask.prefix(p),
+                                        mask.suffix(p))
+
+        def step(layer: DecoderLayer, c: tuple[jax.Array, jax.Array], _: jax.Array):
+            return layer.split(*c, pos_p, pos_s, mask_p, mask_s, inv_freq)
+
+        xp, xs = self.scan_layers(step, (jax.lax.stop_gradient(x[:, :p]), x[:, p:]),
+                                  remat=self.config.remat)
         return self.final_norm(jnp.concatenate([xp, xs], axis=1))
 
     def with_cache(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
                    valid: jax.Array) -> tuple[jax.Array, KVCache]:
-        """Cached forward of new tokens ``[B, T]`` -> (hidden ``[B, T, H]``, new cache)."""
+        """Cached forward of new tokens ``[B, T]`` -> (hidden ``[B, T, H]``, new cache).
+
+        The cache rides in the scan's carry: each layer scatters its new k/v into the stacked
+        ``[L, ...]`` storage at its index in place, so no step copies the cache."""
         inv_freq = rope_inv_freq(self.config)
         x = jnp.take(self.embed[...], tokens, axis=0)
-        for i, layer in enumerate(self.layers):
-            x, cache = layer.with_cache(x, positions, valid, inv_freq, cache, i)
+
+        def step(layer: DecoderLayer, c: tuple[jax.Array, KVCache], i: jax.Array):
+            return layer.with_cache(c[0], positions, valid, inv_freq, c[1], i)
+
+        x, cache = self.scan_layers(step, (x, cache))
         return self.final_norm(x), cache
 
 

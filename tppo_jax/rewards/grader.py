@@ -9,7 +9,9 @@ one item at a time, times it, and kills + replaces a worker that overruns ``item
 Whatever is unfinished at ``batch_deadline_s`` scores as a timeout, so a batch never hangs.
 
 Reasons per item: ``ok`` (correct), ``wrong``, ``no_answer`` (no ``\\boxed{}`` / unparsable),
-``timeout``, ``crash`` (worker died or grading raised).
+``timeout``, ``crash`` (worker died or grading raised). With ``reward_fn`` (``reward.fn``) the
+workers call the user's function instead of math-verify (``rewards/custom.py``), with the same
+deadlines.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tppo_jax.data.readers import last_boxed
+from tppo_jax.rewards.custom import call_reward_fn, load_reward_fn
+from tppo_jax.rewards.workers import start_worker
 
 if TYPE_CHECKING:
     from tppo_jax.config import RewardConfig
@@ -124,9 +128,7 @@ def grade_one(
     else:
         pred_text = completion
     try:
-        gold = parse(f"\\boxed{{{answer}}}", parsing_timeout=mv_timeout_s)
-        if not gold:
-            gold = parse(answer, parsing_timeout=mv_timeout_s)
+        gold = parse_gold(answer, mv_timeout_s)
     except TimeoutException:
         return "timeout"
     if not gold:
@@ -147,11 +149,68 @@ def grade_one(
     return "ok" if ok else "wrong"
 
 
-def _worker_main(conn: Connection, grade_kw: dict[str, Any]) -> None:
-    """Worker loop: pre-warm, then answer ``(idx, completion, answer)`` until ``None``/EOF."""
+def parse_gold(answer: str, mv_timeout_s: int | None = 1) -> list[Any]:
+    """math-verify's reading of a ground-truth answer: as a boxed answer, else as it is
+    (the one parse grading compares samples against)."""
+    from math_verify import parse
+
+    gold = parse(f"\\boxed{{{answer}}}", parsing_timeout=mv_timeout_s)
+    return gold or parse(answer, parsing_timeout=mv_timeout_s)
+
+
+# A plain integer or decimal: always gradable, so loading skips parsing it.
+_PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def answer_problem(answer: str) -> str | None:
+    """Why no sample could be graded right against ground truth ``answer`` (None: it can),
+    checked once per row when a dataset loads: math-verify reads no expression in it
+    (``$$``, ``\\text{}``, ``\\frac{1}{``, which match only as raw text), or it is not
+    a number (``nan``, ``1/0``)."""
+    import threading
+
+    import sympy
+    from math_verify.errors import TimeoutException
+
+    text = answer.strip()
+    if _PLAIN_NUMBER.fullmatch(text):
+        return None
+    if text.lower().lstrip("+-") == "nan":
+        return "not a number"
+    main = threading.current_thread() is threading.main_thread()  # SIGALRM timeouts
+    try:
+        gold = parse_gold(answer, 5 if main else None)
+    except TimeoutException:
+        return "math-verify timed out parsing it"
+    except Exception as e:  # noqa: BLE001 - any parse failure: the grader cannot use it
+        return f"math-verify cannot parse it ({type(e).__name__})"
+    exprs = [g for g in gold if not isinstance(g, str)]
+    if not exprs:
+        return "math-verify reads no math expression in it"
+    if any(g is sympy.nan or g is sympy.zoo for g in exprs):
+        return "not a number"
+    return None
+
+
+def _grade_item(grade_kw: dict[str, Any], fn: Any, correct_reward: float, completion: str,
+                answer: str, row: dict | None) -> tuple[str, float | None, str | None]:
+    """``(reason, reward or None: the reason's, note)`` of one item, by math-verify or by
+    the user's reward function ``fn``."""
+    if fn is None:
+        return grade_one(completion, answer, **grade_kw), None, None
+    row = row if row is not None else {"answer": answer}
+    return call_reward_fn(fn, str(row.get("question", "")), completion, row, correct_reward)
+
+
+def _worker_main(conn: Connection, grade_kw: dict[str, Any], fn_path: str | None = None,
+                 correct_reward: float = 1.0) -> None:
+    """Worker loop: pre-warm, then answer ``(idx, completion, answer, row)`` with
+    ``(idx, reason, reward, note)`` until ``None``/EOF."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # timeouts are counted, not logged
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (close())
-    grade_one("\\boxed{1}", "1", **grade_kw)  # import + compile regexes now
+    fn = load_reward_fn(fn_path) if fn_path else None
+    if fn is None:
+        grade_one("\\boxed{1}", "1", **grade_kw)  # import + compile regexes now
     try:
         conn.send(("ready", os.getpid()))
     except OSError:  # the parent closed or replaced us while we were starting
@@ -163,13 +222,13 @@ def _worker_main(conn: Connection, grade_kw: dict[str, Any]) -> None:
             return
         if msg is None:
             return
-        idx, completion, answer = msg
+        idx, completion, answer, row = msg
         try:
-            reason = grade_one(completion, answer, **grade_kw)
+            out = _grade_item(grade_kw, fn, correct_reward, completion, answer, row)
         except Exception:  # noqa: BLE001 - a grading bug scores 0, it must not kill the worker
-            reason = "crash"
+            out = ("crash", None, None)
         try:
-            conn.send((idx, reason))
+            conn.send((idx, *out))
         except OSError:
             return
 
@@ -234,6 +293,8 @@ class MathGrader:
       mp_context: ``"forkserver"`` (default where available) or ``"spawn"``; never ``fork``,
         the parent runs JAX threads.
       startup_timeout_s: how long the constructor waits for the pre-warmed workers.
+      reward_fn: ``package.module:function`` called instead of math-verify
+        (``rewards/custom.py``); imported here first, so a bad path fails in one line.
     """
 
     def __init__(
@@ -254,6 +315,7 @@ class MathGrader:
         mp_context: str | None = None,
         startup_timeout_s: float = 60.0,
         crash_retries: int = 1,
+        reward_fn: str | None = None,
     ) -> None:
         if num_workers < 0 or item_timeout_s <= 0 or batch_deadline_s <= 0:
             raise ValueError("num_workers >= 0 and positive timeouts required")
@@ -276,6 +338,8 @@ class MathGrader:
             "answer_format": answer_format,
             "mv_timeout_s": mv_timeout_s,
         }
+        self.reward_fn = reward_fn
+        self._fn = load_reward_fn(reward_fn) if reward_fn else None  # ConfigError when bad
         self._ctx = _context(mp_context)
         self._startup_timeout_s = startup_timeout_s
         self.crash_retries = crash_retries
@@ -300,13 +364,14 @@ class MathGrader:
                    correct_reward=reward.correct, wrong_reward=reward.wrong,
                    no_answer_reward=reward.no_answer, crash_retries=reward.crash_retries,
                    answer_format=answer_format_for(data_format, reward.answer_format),
-                   mv_timeout_s=reward.verify_timeout_s, **kw)
+                   mv_timeout_s=reward.verify_timeout_s, reward_fn=reward.fn, **kw)
 
     # -------------------------------------------------------------------- worker management
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.grade_kw), daemon=True)
-        proc.start()
+        proc = self._ctx.Process(target=_worker_main, daemon=True, args=(
+            child, self.grade_kw, self.reward_fn, self.reward_of["ok"]))
+        start_worker(proc)  # never re-runs the user's script (rewards/workers.py)
         child.close()  # so the parent sees EOF when the worker dies
         self.stats["started"] += 1
         return _Worker(proc, parent)
@@ -345,9 +410,11 @@ class MathGrader:
         return [w.proc.pid for w in self._workers]
 
     # ------------------------------------------------------------------------------ grading
-    def grade(self, completions: Sequence[str], answers: Sequence[str]) -> GradeResult:
+    def grade(self, completions: Sequence[str], answers: Sequence[str],
+              rows: Sequence[Any] | None = None) -> GradeResult:
         """Grade ``completions[i]`` against ``answers[i]``; never exceeds the batch deadline
-        by more than the time it takes to kill the stuck workers."""
+        by more than the time it takes to kill the stuck workers. ``rows``: the data rows
+        (``MathExample``), which a ``reward_fn`` receives."""
         if len(completions) != len(answers):
             raise ValueError(f"{len(completions)} completions vs {len(answers)} answers")
         if self._closed:
@@ -360,20 +427,28 @@ class MathGrader:
             # grading time, so wait for one warm worker before the batch clock starts.
             self._wait_warm(self._startup_timeout_s, every=False)
         t0 = time.monotonic()
+        row_dicts = ([_row_dict(r) for r in rows] if rows is not None and self.reward_fn
+                     else [None] * len(answers))
+        self._values: dict[int, tuple[float | None, str | None]] = {}
         if self.num_workers == 0:
-            reasons = [self._grade_inline(c, a) for c, a in zip(completions, answers, strict=True)]
+            reasons = [self._grade_inline(i, c, a, r) for i, (c, a, r) in
+                       enumerate(zip(completions, answers, row_dicts, strict=True))]
         else:
-            reasons = self._grade_pool(list(completions), list(answers), t0)
+            reasons = self._grade_pool(list(completions), list(answers), row_dicts, t0)
         return self._result(reasons, time.monotonic() - t0)
 
-    def _grade_inline(self, completion: str, answer: str) -> str:
+    def _grade_inline(self, i: int, completion: str, answer: str, row: dict | None) -> str:
         try:
-            return grade_one(completion, answer, **self.grade_kw)
+            reason, value, note = _grade_item(self.grade_kw, self._fn, self.reward_of["ok"],
+                                              completion, answer, row)
         except Exception:  # noqa: BLE001
             logger.exception("grading failed")
             return "crash"
+        self._values[i] = (value, note)
+        return reason
 
-    def _grade_pool(self, completions: list[str], answers: list[str], t0: float) -> list[str]:
+    def _grade_pool(self, completions: list[str], answers: list[str], rows: list,
+                    t0: float) -> list[str]:
         n = len(completions)
         reasons: list[str | None] = [None] * n
         pending = deque(range(n))
@@ -385,7 +460,7 @@ class MathGrader:
                 if w.ready and w.task is None and pending:
                     idx = pending.popleft()
                     try:
-                        w.conn.send((idx, completions[idx], answers[idx]))
+                        w.conn.send((idx, completions[idx], answers[idx], rows[idx]))
                         w.task, w.started = idx, now
                     except OSError:  # died while idle: retried on a fresh worker
                         pending.appendleft(idx)
@@ -431,9 +506,10 @@ class MathGrader:
         if msg[0] == "ready":
             w.ready = True
             return
-        idx, reason = msg
+        idx, reason, value, note = msg
         if idx == w.task:
             reasons[idx] = reason
+            self._values[idx] = (value, note)
         w.task = None
         w.done += 1
         if w.done >= self.max_tasks_per_child:
@@ -443,7 +519,16 @@ class MathGrader:
         counts = dict.fromkeys(REASONS, 0)
         for r in reasons:
             counts[r] += 1
-        rewards = np.array([self.reward_of[r] for r in reasons], dtype=np.float32)
+        values = getattr(self, "_values", {})
+        rewards = np.array([self.reward_of[r] if values.get(i, (None,))[0] is None or
+                            r in ("timeout", "crash") else values[i][0]
+                            for i, r in enumerate(reasons)], dtype=np.float32)
+        if self.reward_fn and (failed := [i for i, r in enumerate(reasons)
+                                          if r in ("timeout", "crash")]):
+            why = values.get(failed[0], (None, None))[1] or reasons[failed[0]]
+            logger.warning("reward.fn %s: %d of %d items failed (scored %g); first: %s",
+                           self.reward_fn, len(failed), len(reasons),
+                           self.reward_of["crash"], why)
         correct = np.array([r == "ok" for r in reasons], dtype=bool)
         return GradeResult(rewards, correct, reasons, counts, elapsed)
 
@@ -476,6 +561,15 @@ class MathGrader:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
+
+
+def _row_dict(row: Any) -> dict | None:
+    """A data row as the dict a reward function receives."""
+    if row is None or isinstance(row, dict):
+        return row
+    import dataclasses
+
+    return dataclasses.asdict(row) if dataclasses.is_dataclass(row) else {"row": str(row)}
 
 
 def overlong_penalty(

@@ -425,6 +425,16 @@ class DecodeEngine:
         (one array: one device-to-host copy per step). ``decode_state`` is donated."""
         return self._step_fn(decode_state, params)
 
+    def lowered(self, op: str, *args: Any) -> Any:
+        """The jitted program of ``op`` (``prefill_slots``: ``(params, state, tokens,
+        lengths, rows)``; ``generate_window``: ``(state, params, num_steps, budget,
+        first)``) lowered for ``args``, abstract arrays allowed: what ``tppo_jax.compile``
+        compiles ahead of time for a TPU topology."""
+        fns = {"prefill_slots": self._prefill_slots_fn, "generate_window": self._window_fn}
+        if op not in fns:
+            raise ValueError(f"op must be one of {sorted(fns)}, got {op!r}")
+        return fns[op].lower(*args)
+
     # ------------------------------------------------------------------ a batch of prompts
     def prefill_prompts(self, params: EngineParams, tokens: np.ndarray, lengths: np.ndarray,
                         *, seq_ids: np.ndarray | None = None, seed: int | None = None

@@ -51,7 +51,7 @@ class PagedKVCache:
 
     def update_and_attend(
         self,
-        layer_idx: int,
+        layer_idx: Array | int,
         q: Array,
         k: Array,
         v: Array,

@@ -252,12 +252,13 @@ def write_kv(
     valid: Array | None = None,
     *,
     allow_shared: bool = False,
-    layer: int | None = None,
+    layer: Array | int | None = None,
 ) -> tuple[Array, Array]:
     """Scatter new K/V into the pool at (slot, position).
 
     Args:
-      k_pages, v_pages: [Hkv, N, page_size, D] pool arrays.
+      k_pages, v_pages: [Hkv, N, page_size, D] pool arrays ([L, Hkv, N, page_size, D] with
+        ``layer``).
       slots: [B] int32 slot of each row.
       positions: [B, T] int32 token positions within the slot (negative = padding).
       k, v: [B, T, Hkv, D] new keys / values.
@@ -265,6 +266,8 @@ def write_kv(
       allow_shared: static; permit writes into shared pages. Only for `kv_policy: reprefill`,
         where the shared prompt is recomputed under new weights and every holder gets the same
         K/V (write it once, from one holder).
+      layer: the layer to write in stacked pools (an int or an int32 scalar, traced under the
+        decoder's layer scan); None for one layer's pools.
     Returns:
       Updated (k_pages, v_pages). Writes are dropped where the position has no page reserved,
       and (unless allow_shared) where the page is shared (refcount > 1): shared prompt pages

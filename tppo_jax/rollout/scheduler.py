@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx, serialization
 
 from tppo_jax.buckets import bucket_width
-from tppo_jax.config import RolloutConfig
+from tppo_jax.config import ConfigError, RolloutConfig
 from tppo_jax.data.readers import MathExample
 from tppo_jax.parallel.multihost import (
     check_batch_layout,
@@ -106,6 +106,24 @@ class SlotState:
         return dict(self.__dict__)
 
 
+# Steps in a row with nothing live before a run stops: one is a pool that is briefly full,
+# several in a row a pool that cannot hold a single prompt.
+MAX_IDLE_STEPS = 3
+
+
+def make_engine(model: nnx.Module, rollout: RolloutConfig, *, eos_ids: tuple[int, ...],
+                sampling: SamplingParams, seed: int = 0, mesh: Any = None) -> DecodeEngine:
+    """The rollout's ``DecodeEngine`` for ``rollout``: ``slots`` slots of prompt + L
+    positions; a dense cache laid out on ``mesh``, a paged pool off it (single-host)."""
+    r = rollout
+    kind = kv_slots.resolve_kind(r.kv_cache)
+    return DecodeEngine(model, eos_ids=eos_ids, max_slots=r.slots,
+                        max_target_length=r.max_prompt_len + r.max_response_len,
+                        max_new_tokens=r.max_response_len, kv_cache=kind,
+                        page_size=r.page_size, num_pages=r.num_pages, sampling=sampling,
+                        seed=seed, mesh=mesh if kind == "dense" else None)
+
+
 class TruncatedRolloutScheduler:
     """B slots, window ``l``, max response ``L`` (``K = ceil(L / l)`` windows per sequence).
 
@@ -147,11 +165,8 @@ class TruncatedRolloutScheduler:
         self.S = r.max_prompt_len + r.max_response_len
         self.kv_policy = r.kv_policy
         self.mesh = mesh
-        self.engine = DecodeEngine(model, eos_ids=eos_ids, max_slots=r.slots,
-                                   max_target_length=self.S, max_new_tokens=self.L,
-                                   kv_cache=kv_cache, page_size=r.page_size,
-                                   num_pages=r.num_pages, sampling=sampling, seed=seed,
-                                   mesh=mesh if kv_cache == "dense" else None)
+        self.engine = make_engine(model, r, eos_ids=eos_ids, sampling=sampling, seed=seed,
+                                  mesh=mesh)
         self.ds = self.engine.init_decode_state()
         self.state = SlotState.empty(self.B, self.S)
         self.examples: dict[int, MathExample] = {}
@@ -165,6 +180,7 @@ class TruncatedRolloutScheduler:
         self.stats: dict[str, float] = {"slot_steps": 0.0, "useful_tokens": 0.0}
         self._force_prefill = False
         self.pending: deque[int] = deque()
+        self._idle_steps = 0  # steps in a row with no live row (nothing admitted or running)
 
     def _host_rows(self, tree: Any) -> Any:
         """This host's rows of the engine's ``[B_global, ...]`` outputs. An output XLA chose
@@ -256,6 +272,23 @@ class TruncatedRolloutScheduler:
             new_rows[r] = True
         return new_rows
 
+    def _check_progress(self) -> None:
+        """``ConfigError`` (one line) after ``MAX_IDLE_STEPS`` steps in a row with no live
+        row: nothing could be admitted (a paged pool too small for a prompt and its first
+        window), so the run would train on nothing."""
+        self._idle_steps = 0 if self.state.live.any() else self._idle_steps + 1
+        if self._idle_steps < MAX_IDLE_STEPS:
+            return
+        pool = ""
+        if kv_slots.is_paged(self.ds.cache):
+            ps = self.engine.page_size
+            need = kv_slots.pages_for(self.P - 1 + self.window, ps)
+            pool = (f": the paged KV pool ({self.engine.num_pages} pages of {ps} tokens) has "
+                    f"no room for a prompt and its first window ({need} pages); raise "
+                    f"rollout.num_pages (0 = enough for every slot)")
+        raise ConfigError(f"rollout admitted no prompt for {MAX_IDLE_STEPS} steps in a row"
+                          f"{pool}")
+
     def release_finished(self, finished: np.ndarray) -> None:
         """Frees the slots of finished rows (dense: rows are overwritten on reuse; paged: their
         pages go back to the pool now)."""
@@ -324,6 +357,7 @@ class TruncatedRolloutScheduler:
     def step(self) -> RolloutBatch:
         st = self.state
         new_rows = self._admit()
+        self._check_progress()
         self._place(new_rows)
         self._prefill(new_rows)
         budget = np.where(st.live, np.minimum(self.window, st.prompt_len + self.L - st.total_len),

@@ -26,7 +26,7 @@ import logging
 import queue
 import socket
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -38,6 +38,7 @@ import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
 # isort: split
 from jetstream.core import orchestrator
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+from jetstream.core.utils import async_multifuture
 from jetstream.engine import engine_api, token_utils
 
 from tppo_jax.compat.jetstream import LOOPBACK_HOST, quiet_logging
@@ -308,6 +309,45 @@ class EngineServer:
 
     def _run(self, coro):  # noqa: ANN001, ANN202
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def decode_ids(self, ids: list[int], max_tokens: int) -> Iterator[int]:
+        """Streams the token ids the driver decodes after prompt ``ids``, exactly as a gRPC
+        token-id request is decoded (same driver, same slots, no BOS added; stops at an EOS
+        id, which is not yielded, or after ``max_tokens``). The HTTP server's one door to the
+        engine. Raises ``ValueError`` for what gRPC answers ``INVALID_ARGUMENT``, and
+        ``RuntimeError`` when the prefill queue is full. Closing the iterator early (a client
+        that went away) frees the request's slot at the next decode step."""
+        req = jetstream_pb2.DecodeRequest(max_tokens=max_tokens, token_content=(
+            jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids)))
+        err = validate_request(req, self.engine.core.config.vocab_size,
+                               self.engine.max_prefill_length)
+        if err is not None:
+            raise ValueError(err)
+
+        async def submit() -> async_multifuture.AsyncMultifuture:
+            channel = async_multifuture.AsyncMultifuture()  # bound to the server's loop
+            self.driver.place_request_on_prefill_queue(orchestrator.ActiveRequest(
+                max_tokens=max_tokens, prefill_content=list(ids),
+                is_client_side_tokenization=True, return_channel=channel))
+            return channel
+
+        async def step(channel: async_multifuture.AsyncMultifuture) -> list | None:
+            try:
+                return await channel.__anext__()
+            except StopAsyncIteration:
+                return None
+
+        try:
+            channel = self._run(submit())
+        except queue.Full:
+            raise RuntimeError("the prefill queue is full; retry the request") from None
+        try:
+            while (samples := self._run(step(channel))) is not None:
+                for sample in samples:
+                    yield from (int(t) for t in sample.token_ids)
+        finally:
+            if not channel.done():
+                channel.cancel()
 
     def start(self) -> EngineServer:
         self._run(self._server.start())

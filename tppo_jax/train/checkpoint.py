@@ -39,6 +39,14 @@ def all_finite(tree: Any) -> bool:
     return bool(global_to_host(ok))
 
 
+def _non_finite(trees: dict[str, Any], *, every: bool) -> list[str]:
+    """The restored items holding NaN or inf: the params (which a save never writes
+    non-finite, so such values are damage) and, with ``every`` (a step no manifest
+    vouches for), every item."""
+    return [k for k, tree in trees.items()
+            if (every or k in FINITE_ITEMS) and not all_finite(tree)]
+
+
 def checkpoint_path(directory: str | Path) -> epath.Path:
     """A local directory (made absolute) or a bucket URL such as ``gs://b/run/checkpoints``,
     which Orbax writes directly: on a pod every host must write to one shared place."""
@@ -54,6 +62,10 @@ ITEMS = ("policy", "value", "policy_opt", "value_opt", "slots", "kv_cache", "pol
 # Items a save refuses to write when they hold NaN or inf (a diverged run's params).
 FINITE_ITEMS = ("policy", "value", "policy_ema")
 DAMAGED = ".damaged"  # suffix of a step set aside by a resume (Orbax ignores the folder)
+# How the models' params are laid out, written into every checkpoint's metadata: decoder
+# layers stacked on a leading axis (models/transformer.py). A checkpoint without it was written
+# with one subtree per layer, which no template of this version matches.
+PARAM_LAYOUT = "stacked-layers"
 
 
 class CheckpointError(RuntimeError):
@@ -105,7 +117,7 @@ class Checkpointer:
             log.error("checkpoint at step %d skipped: non-finite values in %s", step, bad)
             return False
         args = {k: ocp.args.StandardSave(tree) for k, tree in trees.items()}
-        args["meta"] = ocp.args.JsonSave(meta)
+        args["meta"] = ocp.args.JsonSave({**meta, "param_layout": PARAM_LAYOUT})
         threads = set(threading.enumerate())
         hook, sys.unraisablehook = sys.unraisablehook, _ignore_closed_loops(sys.unraisablehook)
         _ABSL.addFilter(_QUIET)
@@ -172,6 +184,7 @@ class Checkpointer:
             return None
         failures = []
         for step in steps:
+            self.check_layout(step)
             why = self._problems(step, None, lambda s=step: self.restore(s, templates))
             if isinstance(why, tuple):
                 return (step, *why)
@@ -186,7 +199,8 @@ class Checkpointer:
         problems = self.verify(step, items)
         if problems is None:
             log.warning("checkpoint step %d has no manifest (older version, or stopped "
-                        "before it was written): restoring it unverified", step)
+                        "before it was written): restoring it unverified, then checking "
+                        "that every restored tree is finite", step)
         if problems:
             for p in problems:
                 log.error("CHECKPOINT DAMAGED: step %d: %s", step, p)
@@ -195,7 +209,7 @@ class Checkpointer:
             return f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1
                                        else "")
         try:
-            return restore()
+            out = restore()
         except Exception as e:
             if problems is not None:
                 # Every byte is as written: the run and the checkpoint disagree (a changed
@@ -204,6 +218,31 @@ class Checkpointer:
                                       f"but does not restore: {_one_line(e)}") from e
             log.error("CHECKPOINT DAMAGED: step %d could not be restored: %s", step, e)
             return f"restore failed: {_one_line(e)}"
+        bad = _non_finite(out[0] if items is None else {items[0]: out[0]},
+                          every=problems is None)
+        if bad:
+            why = (f"non-finite values in {', '.join(bad)}"
+                   + (" (no manifest to verify it against)" if problems is None else ""))
+            log.error("CHECKPOINT DAMAGED: step %d: %s: skipping it", step, why)
+            return why
+        return out
+
+    def check_layout(self, step: int) -> None:
+        """``CheckpointError`` (one line) when step ``step`` holds params in an older layout
+        (per-layer decoder params, before the layers were stacked): no restore of this
+        version can read it, and it is not damaged, so it is neither skipped nor set aside.
+        A step whose metadata cannot be read is left to verification."""
+        try:
+            meta = self.mngr.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
+        except Exception:
+            return
+        if meta.get("param_layout") != PARAM_LAYOUT:
+            raise CheckpointError(
+                f"checkpoint step {step} in {self.directory} holds per-layer decoder params "
+                f"(written before layers were stacked for lax.scan); this version reads only "
+                f"the stacked layout: start a new run (or export it with the version that "
+                f"wrote it)")
 
     def _set_aside(self, step: int) -> None:
         """Renames a damaged step out of Orbax's sight, keeping it for inspection."""
@@ -237,6 +276,7 @@ class Checkpointer:
             return None
         failures = []
         for s in steps:
+            self.check_layout(s)
             why = self._problems(s, (name,),
                                lambda s=s: (self.restore_item(s, name, template),))
             if isinstance(why, tuple):

@@ -57,7 +57,8 @@ def collect(run: Run, sched: TruncatedRolloutScheduler | None = None) -> Rollout
     samples: list[dict[str, Any]] = []
     if len(fin):
         texts = [tok.decode(rb.response_tokens(i)) for i in fin]
-        g = run.grader.grade(texts, [rb.examples[i].answer for i in fin])
+        g = run.grader.grade(texts, [rb.examples[i].answer for i in fin],
+                             [rb.examples[i] for i in fin])
         reward[fin], correct[fin], counts = g.rewards, g.correct, g.counts
         if cfg.reward.shuffle_control:  # no signal: who got which grade is random
             reward, correct = shuffle_grades(

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
+from tppo_jax.eval.diagnose import no_answer_warning
 from tppo_jax.eval.heldout import evaluate
 from tppo_jax.eval.protocol import run_protocol
 from tppo_jax.train.ema import evaluated
@@ -14,6 +16,8 @@ from tppo_jax.train.state import TrainState
 
 if TYPE_CHECKING:
     from tppo_jax.train.setup import Run
+
+log = logging.getLogger(__name__)
 
 
 def heldout_eval(run: Run, state: TrainState, *, live: bool = False) -> dict[str, float]:
@@ -49,6 +53,19 @@ def eval_before(run: Run, state: TrainState) -> dict[str, Any]:
             run.eval_before = json.loads((run.run_dir / "eval_before.json").read_text())
         else:
             run.eval_before = heldout_eval(run, state)
+            run.metrics.write_eval(state.step, "before", run.eval_before)
+            _warn_no_answer(run)
     if run.primary:
         (run.run_dir / "eval_before.json").write_text(json.dumps(run.eval_before))
     return run.eval_before
+
+
+def _warn_no_answer(run: Run) -> None:
+    """Warns when the starting policy's sampled answers almost never hold an answer the
+    grader reads: every reward would be the no-answer one and the run would learn nothing."""
+    from tppo_jax.rewards.grader import answer_format_for
+
+    fmt = answer_format_for(run.cfg.data.format, run.cfg.reward.answer_format)
+    warn = no_answer_warning(run.eval_before.get("no_answer"), fmt)
+    if warn and run.primary:
+        log.warning("eval before training: %s", warn.removeprefix("warning: "))

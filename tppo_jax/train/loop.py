@@ -46,6 +46,7 @@ from tppo_jax.train.resume import checkpoint_meta, checkpoint_trees
 from tppo_jax.train.run_dir import mirror
 from tppo_jax.train.setup import Run, setup
 from tppo_jax.train.state import TrainState
+from tppo_jax.train.step import scheduled_lrs
 from tppo_jax.train.update import plan_cells
 from tppo_jax.train.value_pretrain import pretrain_value
 
@@ -142,6 +143,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress: b
                          state.step)
                 break
         after = heldout_eval(run, state) if not preempted else None
+        if after is not None:
+            run.metrics.write_eval(state.step, "after", after)
         # With a policy average, the live policy's numbers too: what the average changed.
         live = (heldout_eval(run, state, live=True)
                 if after is not None and state.policy_ema is not None else None)
@@ -251,12 +254,13 @@ def log_step(run: Run, state: TrainState, roll: Rollout, upd: Update,
     c_roll, c_upd, t0 = roll.c_roll, upd.c_upd, roll.t0
     row = run.metrics.write(state.step, {
         "reward_mean": tot["reward"] / nfin,
-        "accuracy": tot["correct"] / nfin,
+        "accuracy": 100.0 * tot["correct"] / nfin,  # percent, as every accuracy
         "finished_frac": tot["fin"] / tot["rows"],
         "finished": int(tot["fin"]),
         "response_len_mean": tot["resp_len"] / nfin,
         "response_len_max": int(top["resp_len"]),
         "occupancy": tot["tokens"] / max(1.0, run.cfg.rollout.slots * top["window"]),
+        **scheduled_lrs(run.cfg.optim, state.step),
         "policy_loss": float(pstats.get("policy_loss", 0.0)),
         "value_loss": float(vstats["value_loss"]),
         **{k: float(v) for k, v in pstats.items() if k != "policy_loss"},
@@ -304,6 +308,7 @@ def maybe_evaluate(run: Run, state: TrainState, train_time: float, last_eval: fl
         return False, last_eval
     res = heldout_eval(run, state)  # identical on every host
     run.metrics.write(state.step, {f"eval_{k}": v for k, v in res.items()})
+    run.metrics.write_eval(state.step, "during", res, loggers=False)
     return tc.target_accuracy is not None and res["accuracy"] >= tc.target_accuracy, train_time
 
 

@@ -98,8 +98,13 @@ def check(step_dir: epath.Path, items: Iterable[str] | None = None) -> list[str]
         return [f"(step) {MANIFEST}: unreadable ({e})"]
     if manifest is None:
         return None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(
+            isinstance(d, dict) and isinstance(d.get("size"), int)
+            and isinstance(d.get("sha256"), str) for d in files.values()):
+        return [f"(step) {MANIFEST}: not a manifest of files (damaged)"]
     wanted = set(items) if items is not None else None
-    listed = {n: d for n, d in manifest.get("files", {}).items()
+    listed = {n: d for n, d in files.items()
               if wanted is None or item_of(n) in wanted}
     problems = []
     present = []

@@ -108,6 +108,26 @@ class MetricsWriter:
                 self.wandb.log(step, scalars)
         return row
 
+    def write_eval(self, step: int, which: str, result: dict[str, Any], *,
+                   loggers: bool = True) -> None:
+        """One held-out eval (``which``: before / during / after training, at ``step``) to
+        ``evals.jsonl``, and with ``loggers`` its scalars to TensorBoard and W&B as
+        ``eval_<key>`` at ``step`` (the during evals reach them through ``write``)."""
+        if not self.enabled:
+            return
+        row = {"step": step, "which": which, "wall_time": time.time() - self.t0,
+               **{k: _clean(v) for k, v in result.items()}}
+        append_whole(self.path.with_name("evals.jsonl"), json.dumps(row) + "\n")
+        if not loggers:
+            return
+        scalars = {f"eval_{k}": v for k, v in result.items()
+                   if isinstance(v, float | int) and not isinstance(v, bool)}
+        if self._tb_alive():
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(step, scalars)
+
     def write_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """One JSON line per sample (``step`` added); TensorBoard gets them as markdown text,
         W&B as a table."""

@@ -7,8 +7,19 @@ import math
 import sys
 from pathlib import Path
 
-PANELS = (("reward_mean", "reward"), ("accuracy", "train accuracy (finished rows)"),
-          ("response_len_mean", "response length (finished)"), ("occupancy", "slot occupancy"))
+# (title, metrics.jsonl keys drawn in it); one 3 x 3 figure per x axis.
+PANELS = (
+    ("reward (finished rows)", ("reward_mean",)),
+    ("train accuracy (finished rows, %)", ("accuracy",)),
+    ("held-out accuracy (%)", ("eval_accuracy", "eval_greedy_accuracy")),
+    ("losses", ("policy_loss", "value_loss")),
+    ("KL and entropy", ("approx_kl", "entropy")),
+    ("critic explained variance", ("explained_variance",)),
+    ("clip fractions", ("clip_frac", "value_clip_frac")),
+    ("response length (finished)", ("response_len_mean",)),
+    ("slot occupancy", ("occupancy",)),
+)
+HELD_OUT = "held-out accuracy (%)"  # its points are evals: drawn as markers, not smoothed
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -64,30 +75,56 @@ def _smooth(ys: list[float], k: int) -> list[float]:
     return out
 
 
+def read_evals(run_dir: Path) -> list[dict]:
+    """The held-out evals of ``RUN_DIR/evals.jsonl`` (before, during, after training) as
+    rows with ``eval_<key>`` names, as the during ones appear in ``metrics.jsonl``."""
+    path = Path(run_dir) / "evals.jsonl"
+    if not path.is_file():
+        return []
+    rows = [_parse_row(raw) for raw in path.read_bytes().splitlines() if raw.strip()]
+    return [{"step": r.get("step"), "wall_time": r.get("wall_time"),
+             **{f"eval_{k}": v for k, v in r.items() if k not in ("step", "wall_time")}}
+            for r in rows if r is not None]
+
+
 def plot_runs(run_dirs: list[Path], out_dir: Path, *, smooth: int = 5) -> list[Path]:
-    """Writes ``metrics_vs_step.png`` and ``metrics_vs_time.png`` into ``out_dir``."""
+    """Writes ``metrics_vs_step.png`` and ``metrics_vs_time.png`` into ``out_dir``: 3 x 3
+    panels (``PANELS``), each line a moving mean over ``smooth`` steps (stated in the
+    figure), held-out evals (``evals.jsonl``, else ``metrics.jsonl``'s) as raw markers."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = {str(d): read_metrics(d) for d in run_dirs}
+    evals = {str(d): read_evals(d) for d in run_dirs}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for xkey, xlabel, name in (("step", "step", "metrics_vs_step.png"),
                                ("wall_time", "wall-clock (s)", "metrics_vs_time.png")):
-        fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-        for ax, (key, title) in zip(axes.flat, PANELS, strict=True):
+        fig, axes = plt.subplots(3, 3, figsize=(15, 10.5))
+        for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
+            held_out = title == HELD_OUT
             for label, rows in runs.items():
-                pts = [(r[xkey], r[key]) for r in rows
-                       if _is_number(r.get(xkey)) and _is_number(r.get(key))]
-                if pts:
+                src = (evals[label] or rows) if held_out else rows
+                for key in keys:
+                    pts = [(r[xkey], r[key]) for r in src
+                           if _is_number(r.get(xkey)) and _is_number(r.get(key))]
+                    if not pts:
+                        continue
                     xs, ys = zip(*pts, strict=True)
-                    ax.plot(xs, _smooth(list(ys), smooth), label=Path(label).name)
+                    tag = Path(label).name + (f" {key}" if len(keys) > 1 else "")
+                    if held_out:
+                        ax.plot(xs, ys, marker="o", label=tag)
+                    else:
+                        ax.plot(xs, _smooth(list(ys), smooth), label=tag)
             ax.set_title(title)
             ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
-        axes.flat[0].legend(fontsize=8)
+            if len(keys) > 1 or len(runs) > 1:
+                ax.legend(fontsize=7)
+        fig.suptitle(f"lines: moving mean over {smooth} step(s) (--smooth); held-out evals: "
+                     f"raw points", fontsize=10)
         fig.tight_layout()
         path = out_dir / name
         fig.savefig(path, dpi=110)

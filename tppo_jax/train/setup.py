@@ -22,7 +22,7 @@ from flax import nnx
 from tppo_jax.config import Config, ConfigError, validate
 from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.data.readers import MathExample
-from tppo_jax.data.run_data import prompt_rows
+from tppo_jax.data.run_data import load_data, prompt_rows
 from tppo_jax.eval.heldout import EvalEngines
 from tppo_jax.models.lora import add_lora, lora_spec
 from tppo_jax.models.tokenizer import Tokenizer
@@ -129,7 +129,8 @@ def setup(cfg: Config, run_dir: str | Path, *, resume: bool, progress: bool,
     validate(cfg, num_devices=jax.device_count(), num_processes=jax.process_count())
     enable_compile_cache(cfg.train.compile_cache)
     rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
-    stack.callback(claim_run_dir(rd, resume))  # released last: after every file is closed
+    # Released last: after every file is closed.
+    stack.callback(claim_run_dir(rd, resume, train_steps=cfg.train.steps))
     ckpt = Checkpointer(rd.checkpoints, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
     try:
         out = _build(cfg, rd, ckpt, resume, progress, stack)
@@ -152,8 +153,9 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
     m, r = cfg.mesh, cfg.rollout
     mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
     dmesh = decode_mesh(mesh, m.decode_tensor) if m.decode_tensor else mesh
+    rows = load_data(cfg)  # read and checked before a warm-start or model load costs time
     models = load_models(cfg, rd.local, progress, mesh)
-    train_rows, eval_rows, encode = prompt_rows(cfg, models.tokenizer)
+    train_rows, eval_rows, encode = prompt_rows(cfg, models.tokenizer, rows)
     pipeline = PromptPipeline(train_rows, batch_size=1, seed=cfg.data.seed,
                               shard_index=jax.process_index(), shard_count=jax.process_count())
     run = Run(cfg, rd, mesh, dmesh, models, train_rows, eval_rows, encode, pipeline,
@@ -273,7 +275,7 @@ def load_policy(cfg: Config, run_dir: Path, progress: bool, mesh=None
         raise ConfigError(f"model.path {path}: no tokenizer.json or tokenizer.model found")
     tok = Tokenizer.load(tok_file)
     policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh,  # straight to shards
-                             remat=cfg.model.remat)
+                             remat=cfg.model.remat, attention=cfg.model.attention)
     if mh.is_primary():  # the run's checkpoints then restore without model.path
         record_model(run_dir, path / "config.json", tok_file)
     return tok, policy, tok_file
@@ -288,7 +290,8 @@ def load_critic(cfg: Config, policy: Any, mesh=None) -> ValueModel:
 
         value_folder = resolve_model(cfg.model.value_path or "", "model.value_path")
         return ValueModel.from_policy(from_pretrained(value_folder, dtype=cfg.model.dtype,
-                                                      mesh=mesh, remat=cfg.model.remat))
+                                                      mesh=mesh, remat=cfg.model.remat,
+                                                      attention=cfg.model.attention))
     if cfg.model.value_init == "random":
         return ValueModel(policy.config, rngs=nnx.Rngs(cfg.train.seed + 1))
     # Sharing the (frozen) base: no transient copy of it either

@@ -70,6 +70,16 @@ def lr_schedule(lr: float, optim: OptimConfig, epochs: int | None = None,
     return optax.join_schedules([optax.linear_schedule(lr / n, lr, n), after], [n])
 
 
+def scheduled_lrs(optim: OptimConfig, step: int) -> dict[str, float]:
+    """The policy's and the critic's learning rates after training step ``step`` (1-based):
+    the schedules of ``make_optimizer`` at ``step * updates_per_step`` updates (a skipped,
+    empty minibatch would leave the real clock a little behind)."""
+    p = lr_schedule(optim.policy_lr, optim, decay_steps=optim.policy_lr_decay_steps)
+    v = lr_schedule(optim.value_lr, optim, optim.critic_epochs)
+    return {"lr_policy": float(p(step * updates_per_step(optim))),
+            "lr_value": float(v(step * updates_per_step(optim, optim.critic_epochs)))}
+
+
 def make_optimizer(lr: float, optim: OptimConfig, epochs: int | None = None,
                    decay_steps: int = 0) -> optax.GradientTransformation:
     """AdamW on ``lr_schedule`` (``epochs`` passes per step, ``decay_steps``) after

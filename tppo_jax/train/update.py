@@ -111,9 +111,13 @@ class GroupGrads:
         self._fns: dict[int, Callable] = {}
 
     def __call__(self, *args: Any, grad_from: int = 0) -> tuple[dict[str, jax.Array], Any]:
+        return self.jitted(grad_from)(*args)
+
+    def jitted(self, grad_from: int = 0) -> Callable:
+        """The jitted gradient for ``grad_from`` (``.lower(...)`` compiles it ahead of time)."""
         if grad_from not in self._fns:
             self._fns[grad_from] = self._make(grad_from)
-        return self._fns[grad_from](*args)
+        return self._fns[grad_from]
 
     def _cache_size(self) -> int:
         return sum(int(f._cache_size()) for f in self._fns.values())

@@ -73,10 +73,11 @@ def pretrain_key(cfg: Config) -> str:
     data = {k: v for k, v in keyed_data(cfg).items() if k != "eval_size"}
     start = warmstart_key(cfg) if cfg.model.source == "tiny" else cfg.model.path
     model = model_key(cfg, with_lora=True)  # a LoRA critic trains otherwise
+    # "v": the cache's format; 2 = stacked decoder layers (a v1 cache holds per-layer params).
     blob = json.dumps({"start": start, "model": model, "data": data, "reward": d["reward"],
                        "rollout": rollout, "algo": {k: d["algo"][k] for k in _ALGO_KEYS},
                        "optim": {k: d["optim"][k] for k in _OPTIM_KEYS},
-                       "seed": cfg.train.seed, "v": 1}, sort_keys=True)
+                       "seed": cfg.train.seed, "v": 2}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -139,7 +140,8 @@ def _pretrain(run: Run, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
         tot = mh.sum_over_hosts({"fin": len(roll.fin), "correct": roll.correct.sum()})
         row = {"step": i + 1, "explained_variance": float(stats.get("explained_variance", 0.0)),
                "value_loss": float(stats.get("value_loss", 0.0)),
-               "accuracy": tot["correct"] / max(tot["fin"], 1.0), "finished": int(tot["fin"]),
+               "accuracy": 100.0 * tot["correct"] / max(tot["fin"], 1.0),
+               "finished": int(tot["fin"]),
                "seconds": time.time() - t0}
         curve.append(row)
         bar.set_postfix(ev=f"{row['explained_variance']:.2f}")

@@ -11,6 +11,7 @@ copied or read back from a bucket resumes, evaluates and exports without the cac
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -73,8 +74,16 @@ def keyed_data(cfg: Config) -> dict[str, Any]:
             if not (k in SOURCE_KEYS and (synthetic or v == getattr(defaults, k)))}
 
 
+# The data settings the warm-start reads: the synthetic task's (its teacher corpus trains
+# the tokenizer and the model, whatever rows the run trains on).
+TASK_KEYS = ("seed", "difficulty", "max_operand", "max_value", "max_steps", "style")
+
+
 def _key(cfg: Config, on_bad_row: str) -> str:
     t = cfg.train
+    if cfg.data.source != "synthetic":  # the same warm-start as the synthetic task's
+        task = {k: getattr(cfg.data, k) for k in TASK_KEYS}
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(DataConfig(), **task))
     # The batching joins the key only when it is not the original "random", so the caches
     # (and README's keys) of configs that predate it stay valid.
     batching = [] if t.warmstart_batching == "random" else [t.warmstart_batching]
@@ -100,7 +109,7 @@ def tiny_model_config(cfg: Config, vocab_size: int) -> ModelConfig:
                        intermediate_size=m.intermediate_size, num_layers=m.num_layers,
                        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads,
                        head_dim=m.hidden_size // m.num_heads, max_position_embeddings=m.max_seq_len,
-                       tie_embeddings=True, dtype=m.dtype)
+                       tie_embeddings=True, dtype=m.dtype, attention=m.attention)
 
 
 def encode_corpus(tok: Tokenizer, texts: list[str], seq_len: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,117 @@
+"""`tppo plan --compile`: the smoke config's programs compiled by the TPU compiler for a
+v5e:2x2 slice (from this CPU machine) fit; an oversized config is refused in one line, by
+`tppo plan` and by `tppo launch`. Skipped where libtpu (the `tpu` extra) is not installed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tppo_jax import cli
+from tppo_jax.platform import TopologyError, libtpu_version, parse_topology, require_tpu_compiler
+
+needs_libtpu = pytest.mark.skipif(libtpu_version() is None,
+                                  reason='libtpu not installed (pip install -e ".[tpu]")')
+
+# Short rows keep the width buckets (and the compiles) few: 32 and 64.
+SMALL = ["rollout.max_prompt_len=32", "rollout.max_response_len=32"]
+# A KV pool no v5e chip holds (the paged pool is replicated on every chip): 2.4e8 tokens of
+# 512 B, ~114 GiB, next to a program that itself compiles in seconds.
+OVERSIZED = [*SMALL, "rollout.num_pages=15000000"]
+
+
+@pytest.mark.parametrize("name, grid, chips, hosts", [
+    ("v5litepod-8", (2, 4), 8, 1), ("v5e:2x2", (2, 2), 4, 1), ("v5p-8", (2, 2, 1), 4, 1),
+    ("v5p-512", (4, 8, 8), 256, 64), ("v5p:2x2x1", (2, 2, 1), 4, 1)])
+def test_parse_topology(name, grid, chips, hosts):
+    t = parse_topology(name)
+    assert (t.grid, t.chips, t.hosts) == (grid, chips, hosts)
+    assert t.hbm_bytes == (95 if t.generation == "v5p" else 16) * 1024**3
+
+
+@pytest.mark.parametrize("bad", ["v5e:2x2x2", "v5p:2x2", "v7-8", "v5litepod-3"])
+def test_bad_topology_one_line(bad):
+    with pytest.raises(TopologyError) as e:
+        parse_topology(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_libtpu_names_the_extra(monkeypatch):
+    from importlib import metadata
+
+    def missing(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    with pytest.raises(TopologyError, match=r'pip install -e "\.\[tpu\]"'):
+        require_tpu_compiler()
+
+
+@needs_libtpu
+def test_smoke_programs_compile_and_fit(tmp_path, capsys):
+    out = tmp_path / "compiled.json"
+    rc = cli.main(["plan", "smoke", *SMALL, "--topology", "v5e:2x2", "--compile",
+                   "--programs", "policy_update,rollout", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rep = json.loads(out.read_text())
+    assert rep["fits"] and rep["complete"] and rep["chips"] == 4
+    assert rep["libtpu"] == libtpu_version() and rep["jax"]
+    names = [p["name"] for p in rep["programs"]]
+    assert names == ["policy_update[w=32]", "policy_update[w=64]", "rollout_prefill[w=32]",
+                     "rollout_window[l=16]"]
+    for p in rep["programs"]:
+        assert p["compiled"] and p["fits"]
+        assert 0 < p["peak"] == (p["arguments"] + p["outputs"] + p["temporaries"]
+                                 - p["aliased"])
+        assert p["resident"] == p["peak"] + p["live_outside"] <= rep["hbm_per_chip"]
+        assert p["flops"] > 0 and p["bytes_accessed"] > 0
+    # a wider group does more work; the update takes the policy's params as an argument
+    assert rep["programs"][0]["flops"] < rep["programs"][1]["flops"]
+    assert rep["programs"][0]["live_outside"] == sum(
+        v for k, v in rep["live"].items() if k != "policy_params")
+    assert "fits: every program" in text
+
+
+@needs_libtpu
+def test_oversized_config_is_refused_in_one_line(capsys):
+    rc = cli.main(["plan", "smoke", *OVERSIZED, "--topology", "v5e:2x2", "--compile",
+                   "--programs", "policy_update", "--stop-early"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    [line] = [x for x in err.splitlines() if x.startswith("tppo plan:")]
+    assert "does not fit v5e:2x2: policy_update[w=32]" in line and "GiB over" in line
+
+
+@needs_libtpu
+def test_launch_refuses_what_does_not_fit(capsys):
+    argv = ["launch", "--config", "smoke", "--tpu-type", "v5litepod-4", "--dry-run",
+            *OVERSIZED]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("tppo launch: smoke does not fit v5litepod-4")
+    assert "--force" in err[-1]
+    assert cli.main([*argv, "--force"]) == 0
+    assert "tpu-vm create" in capsys.readouterr().out
+
+
+def test_plan_layout_agrees_with_the_compile_paths_state(devices8):
+    """The arithmetic plan's params and AdamW rows equal the per-chip bytes of the abstract
+    state the compile path lays out (an fp32 model: AdamW m + v are 8 B/param either way;
+    the optimizers' step counts are a few replicated bytes)."""
+    from tppo_jax.compile import abstract_models, abstract_opt_state, per_chip_bytes
+    from tppo_jax.config import load_config
+    from tppo_jax.parallel.mesh import make_mesh
+    from tppo_jax.plan import plan_memory
+    from tppo_jax.train.step import make_optimizer
+
+    cfg = load_config("smoke", ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"])
+    mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, devices8)
+    m = abstract_models(cfg, mesh)
+    rows = plan_memory(cfg, "v5litepod-8")["rows"]
+    for kind in ("policy", "value"):
+        params = m[kind][1]
+        assert rows[f"{kind} params"] == per_chip_bytes(params)
+        opt = per_chip_bytes(abstract_opt_state(make_optimizer(1e-4, cfg.optim), params, mesh))
+        assert 0 <= opt - rows[f"{kind} optimizer"] <= 64

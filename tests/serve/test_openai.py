@@ -1,0 +1,146 @@
+"""The OpenAI-compatible HTTP door: a chat message through the tokenizer's chat template
+decodes, greedily, the same tokens over HTTP (whole and streamed) as over JetStream gRPC and
+as the engine itself; bad requests get a 4xx with a reason while the server keeps serving."""
+
+import json
+
+import grpc
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import tppo_jax.compat.jetstream  # noqa: F401  (before any jetstream import)
+
+# isort: split
+from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+from jetstream.engine import token_utils
+
+from tppo_jax.data.prompts import chat_text
+from tppo_jax.models.hf import from_pretrained
+from tppo_jax.models.tokenizer import Tokenizer
+from tppo_jax.rollout.decode import SamplingParams
+from tppo_jax.rollout.engine import DecodeEngine
+from tppo_jax.rollout.jetstream_engine import JetStreamEngine
+from tppo_jax.rollout.server import EngineServer
+from tppo_jax.rollout.tokenizer_adapter import encode_request_text
+from tppo_jax.serve.client import ServerError, request, stream
+from tppo_jax.serve.openai import OpenAIServer, TextStream
+
+FIXTURE = __import__("pathlib").Path(__file__).parents[1] / "fixtures" / "hf" / "llama"
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}w10 {% else %}w11 {% endif %}"
+            "{{ m['content'] }} w12 {% endfor %}{% if add_generation_prompt %}w13{% endif %}")
+N = 8
+
+
+def _tokenizer(tmp_path) -> Tokenizer:
+    """A real ``tokenizer.json`` over the fixture's 256 ids (words ``w3..w255``) with a chat
+    template in ``tokenizer_config.json``."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, 256)}
+    tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": "</s>", "chat_template": TEMPLATE}))
+    return Tokenizer.load(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tok = _tokenizer(tmp_path_factory.mktemp("tok"))
+    model = from_pretrained(FIXTURE)
+    nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x,
+                                   nnx.state(model, nnx.Param)))
+    core = DecodeEngine(model, eos_ids=(2,), kv_cache="paged", max_slots=2,
+                        max_target_length=64, page_size=16, sampling=SamplingParams(greedy=True))
+    engine = JetStreamEngine(core, tok, max_prefill_length=32)
+    with EngineServer(engine) as grpc_server, OpenAIServer(
+            grpc_server.decode_ids, tok, lambda t: encode_request_text(tok, t),
+            sampling=core.sampling, model_name="fixture", max_tokens=N,
+            max_tokens_limit=16) as http:
+        yield tok, engine, grpc_server, http
+
+
+MESSAGES = [{"role": "system", "content": "w40 w41"},
+            {"role": "user", "content": "w17 w33 w5 w200"}]
+
+
+def _engine_greedy(engine, ids, n):
+    params = engine.load_params()
+    padded, length = token_utils.pad_tokens(np.asarray(ids), 0, 0, is_bos=False,
+                                            max_prefill_length=32)
+    ds = engine.insert(engine.prefill(params=params, padded_tokens=padded,
+                                      true_length=length), engine.init_decode_state(), 0)
+    out = []
+    for _ in range(n):
+        ds, res = engine.generate(params, ds)
+        out.append(int(np.asarray(res.data)[0, 0]))
+    return out
+
+
+def test_chat_greedy_http_equals_grpc_equals_engine(served):
+    tok, engine, grpc_server, http = served
+    text = chat_text(MESSAGES, tok)
+    assert text == "w10 w40 w41 w12 w11 w17 w33 w5 w200 w12 w13"  # the template, applied
+    ids = encode_request_text(tok, text)
+    want = _engine_greedy(engine, ids, N)
+    assert 2 not in want  # the fixture does not stop early here (all N tokens compared)
+
+    req = jetstream_pb2.DecodeRequest
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_server.port}") as channel:
+        stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+        got_grpc = [t for r in stub.Decode(req(max_tokens=N, token_content=req.TokenContent(
+            token_ids=ids)), timeout=120) for s in r.stream_content.samples for t in s.token_ids]
+        grpc_text = "".join(s.text for r in stub.Decode(req(
+            max_tokens=N, text_content=req.TextContent(text=text)), timeout=120)
+                            for s in r.stream_content.samples)
+    assert got_grpc == want
+    assert list(grpc_server.decode_ids(ids, N)) == want
+
+    body = {"model": "fixture", "messages": MESSAGES, "max_tokens": N, "temperature": 0}
+    whole = request(http.host, http.port, "/v1/chat/completions", body)
+    content = whole["choices"][0]["message"]["content"]
+    assert content == tok.decode(want)
+    assert whole["usage"] == {"prompt_tokens": len(ids), "completion_tokens": N,
+                              "total_tokens": len(ids) + N}
+    assert whole["choices"][0]["finish_reason"] == "length"
+    streamed = "".join(stream(http.host, http.port, "/v1/chat/completions", body))
+    assert streamed.split() == content.split()
+    # gRPC text streams one decoded piece per token (this word-level decoder adds no spaces)
+    assert grpc_text == "".join(tok.decode([t]) for t in want)
+
+    raw = request(http.host, http.port, "/v1/completions",
+                  {"prompt": text, "max_tokens": N})
+    assert raw["choices"][0]["text"] == content  # the rendered text as a raw prompt: same
+    ids_prompt = request(http.host, http.port, "/v1/completions",
+                         {"prompt": ids, "max_tokens": 3})
+    assert ids_prompt["choices"][0]["text"].split() == content.split()[:3]
+
+
+@pytest.mark.parametrize("body,path,status,words", [
+    ({"messages": MESSAGES, "temperature": 0.7}, "/v1/chat/completions", 400, "temperature"),
+    ({"messages": []}, "/v1/chat/completions", 400, "messages"),
+    ({"prompt": "w5", "max_tokens": 99}, "/v1/completions", 400, "limit"),
+    ({"prompt": [5, 9999]}, "/v1/completions", 400, "vocabulary"),
+    ({"prompt": "w5", "n": 2}, "/v1/completions", 400, "n must be 1"),
+    ({"prompt": "w5"}, "/v1/embeddings", 404, "no route"),
+])
+def test_bad_requests_are_refused_and_serving_goes_on(served, body, path, status, words):
+    _, _, _, http = served
+    with pytest.raises(ServerError) as e:
+        request(http.host, http.port, path, body)
+    assert f"HTTP {status}" in str(e.value) and words in str(e.value)
+    ok = request(http.host, http.port, "/v1/completions", {"prompt": "w5 w6", "max_tokens": 2})
+    assert ok["choices"][0]["text"]
+    assert request(http.host, http.port, "/v1/models")["data"][0]["id"] == "fixture"
+
+
+def test_text_stream_holds_back_a_split_character():
+    pieces = {(1,): "a\ufffd", (1, 2): "aé", (1, 2, 3): "aé b"}
+    s = TextStream(lambda ids: pieces[tuple(ids)])
+    assert [s.push(1), s.push(2), s.push(3), s.rest()] == ["", "aé", " b", ""]

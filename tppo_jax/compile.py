@@ -1,0 +1,493 @@
+"""Compile a config's training step for a TPU topology from any machine (``tppo plan CONFIG
+--topology T --compile``).
+
+Every program a step of the config runs is built through the functions training runs (the
+learner's ``make_updater`` / ``make_targets``, the rollout's ``DecodeEngine`` as the
+scheduler and the held-out eval build it) with abstract params, optimizer states and KV cache
+(``jax.ShapeDtypeStruct`` with the ``NamedSharding`` the trainer places them with, on a mesh
+of the topology's abstract devices, ``tppo_jax.platform``), then compiled by the TPU
+compiler. Nothing is allocated: a v5p-512 compiles from one CPU process.
+
+Programs (names as ``benchmarks/cost_model.py``'s ``load_compiled`` reads them):
+- ``policy_update[w=W]`` / ``value_update[w=W]``: one row group's gradient at every width
+  bucket ``W`` (``buckets.width_buckets``) with its rows (``update_plan.group_rows``);
+- ``policy_apply`` / ``value_apply``: the guarded AdamW step;
+- ``targets[w=W]``: the critic's rollout-time pass over a row group; ``targets_finish``: the
+  advantages and returns over the ``[B, S]`` buffer;
+- ``rollout_prefill[w=W]``: the batched prefill into the slots at the widest prefill bucket;
+  ``rollout_window[l=l]``: one decode window of ``l`` tokens over every slot;
+- ``eval_prefill`` / ``eval_window``: the held-out eval's decode (its own dense engine).
+
+Per program, per chip: ``peak`` = arguments + outputs + temporaries - aliased (XLA's
+``memory_analysis()``), ``flops`` and ``bytes_accessed`` (``cost_analysis()``; a loop body
+counts once), compile seconds. The state live across programs (params, optimizer states, the
+KV cache that unfinished rows keep through the update) is added where a program does not take
+it as an argument: ``resident`` = peak + the live state it does not hold, and the step fits
+when every program's ``resident`` is within the chip's HBM. A program the compiler refuses
+(RESOURCE_EXHAUSTED) does not fit, with the shortfall the compiler names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from tppo_jax.buckets import bucket_width, width_buckets
+from tppo_jax.config import Config, ConfigError, validate
+from tppo_jax.launch import GIB
+from tppo_jax.platform import Topology, TopologyError, abstract_devices, libtpu_version
+
+# Groups of programs (``--programs``); each program's kind is one of them.
+KINDS = ("policy_update", "policy_apply", "value_update", "value_apply", "targets", "rollout",
+         "eval")
+
+
+@dataclass
+class Program:
+    """One jitted function of the step and the abstract arguments it is lowered with."""
+
+    name: str
+    kind: str
+    lower: Callable[[], Any]  # -> jax ``Lowered``
+    meta: dict[str, Any] = field(default_factory=dict)
+    holds: tuple[str, ...] = ()  # the live state it takes as arguments (not counted twice)
+
+
+def _sds(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def per_chip_bytes(tree: Any) -> int:
+    """Bytes of one device's shard of every abstract array in ``tree`` (the largest shard)."""
+    n = 0
+    for x in jax.tree.leaves(tree):
+        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
+        n += math.prod(shape) * jnp.dtype(x.dtype).itemsize
+    return n
+
+
+def _on_mesh(tree: Any, mesh: Any) -> Any:
+    """Leaves without a sharding (what the trainer creates uncommitted: a paged KV pool,
+    step counts) as replicated on ``mesh``, as a jitted step receives them."""
+    rep = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
+                        else _sds(x, rep), tree)
+
+
+def model_config(cfg: Config) -> Any:
+    """The ``ModelConfig`` a run of ``cfg`` builds (shapes from ``plan.resolve_arch``: the
+    Hub/folder name, or the tiny model's sizes), with its remat setting."""
+    from tppo_jax.plan import resolve_arch
+
+    a = resolve_arch(cfg)
+    m = cfg.model
+    remat = m.remat or m.source == "tiny"
+    # The target is a TPU: ``auto`` is splash there (traced under the mesh, see below)
+    attention = "splash" if m.attention == "auto" else m.attention
+    return a.model_config(dtype=m.dtype, remat=remat, attention=attention,
+                          max_position_embeddings=max(m.max_seq_len, cfg.rollout.max_prompt_len
+                                                      + cfg.rollout.max_response_len))
+
+
+def abstract_models(cfg: Config, mesh: Any, mc: Any = None) -> dict[str, Any]:
+    """The policy and the critic as a run builds them (``setup.load_models``: LoRA adapters,
+    a shared base), each as ``(graphdef, params)`` with params a pure dict of
+    ``ShapeDtypeStruct``s laid out on ``mesh`` by their logical axes (``nnx.eval_shape``: no
+    weights are made)."""
+    from tppo_jax.models.lora import add_lora, lora_spec
+    from tppo_jax.models.transformer import Transformer, param_shardings
+    from tppo_jax.models.value import ValueModel
+    from tppo_jax.train.trainable import share_base, shares_base
+
+    mc = mc or model_config(cfg)
+    spec = lora_spec(cfg.model)
+
+    def build(cls: type, seed: int, lora: bool) -> tuple[Any, Any, Any]:
+        def make():
+            model = cls(mc, rngs=nnx.Rngs(seed))
+            return add_lora(model, spec, seed=seed) if lora else model
+        abstract = nnx.eval_shape(make)
+        graphdef, state = nnx.split(abstract)
+        sh = param_shardings(state, mesh)
+        placed = jax.tree.map(lambda v, s: v.replace(_sds(v.get_value(), s)), state, sh,
+                              is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return graphdef, nnx.to_pure_dict(placed), state
+
+    pdef, pparams, pstate = build(Transformer, cfg.train.seed, spec is not None)
+    vdef, vparams, _ = build(ValueModel, cfg.train.seed + 1,
+                             spec is not None and cfg.model.value_lora)
+    if shares_base(cfg):
+        vparams = share_base(pparams, vparams)
+    return {"policy": (pdef, pparams), "value": (vdef, vparams), "policy_state": pstate,
+            "config": mc}
+
+
+def abstract_opt_state(tx: Any, params: Any, mesh: Any) -> Any:
+    """``tx.init(params)`` as abstract arrays: every param-shaped state (AdamW's m and v) in
+    its param's sharding, the rest (step counts) replicated (``state.commit_to_mesh``)."""
+    import optax
+
+    shapes = jax.eval_shape(tx.init, params)
+    rep = NamedSharding(mesh, PartitionSpec())
+    return optax.tree_map_params(tx, lambda s, p: _sds(s, p.sharding), shapes, params,
+                                 transform_non_params=lambda s: _sds(s, rep))
+
+
+def _rows_batch(keys: Sequence[str], rows: int, width: int, sharding: Any) -> dict[str, Any]:
+    """A row group's ``[R, W]`` arrays as ``take_rows`` hands them to the gradient."""
+    dtypes = {"tokens": jnp.int32, "attn": jnp.bool_}
+    return {k: jax.ShapeDtypeStruct((rows, width), dtypes.get(k, jnp.float32),
+                                    sharding=sharding) for k in keys}
+
+
+def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
+                   hosts: int = 1, widest: bool = False
+                   ) -> tuple[list[Program], dict[str, int], dict[str, Any]]:
+    """``(programs, live state bytes per chip by name, facts)`` of one step of ``cfg`` on
+    ``mesh`` (abstract devices of a slice of ``hosts`` hosts). ``only``: the kinds to build
+    (default all), in this order; ``widest``: the row-group programs at the widest width
+    bucket only (their peak: every group holds about the same token cells, and attention
+    grows with the width)."""
+    from tppo_jax.eval.heldout import EvalEngines, decode_and_grade
+    from tppo_jax.eval.protocol import run_protocol
+    from tppo_jax.parallel.mesh import data_parallel_size, decode_mesh, layout_rules
+    from tppo_jax.rollout.decode import SamplingParams
+    from tppo_jax.rollout.engine import EngineParams
+    from tppo_jax.rollout.scheduler import make_engine
+    from tppo_jax.train.step import StepConfig, batch_spec, make_optimizer
+    from tppo_jax.train.targets import make_targets
+    from tppo_jax.train.trainable import trainable_keys, trained_part
+    from tppo_jax.train.update import KEYS, make_updater
+    from tppo_jax.train.update_plan import group_rows, max_group_rows
+
+    want = set(only or KINDS)
+    r, o = cfg.rollout, cfg.optim
+    models = abstract_models(cfg, mesh)
+    pdef, pparams = models["policy"]
+    vdef, vparams = models["value"]
+    keep_p, keep_v = trainable_keys(cfg)
+    tx_p = make_optimizer(o.policy_lr, o, decay_steps=o.policy_lr_decay_steps)
+    tx_v = make_optimizer(o.value_lr, o, o.critic_epochs)
+    popt = abstract_opt_state(tx_p, trained_part(pparams, keep_p), mesh)
+    vopt = abstract_opt_state(tx_v, trained_part(vparams, keep_v), mesh)
+    scfg = StepConfig.from_config(cfg)
+    rows_sh, rep = batch_spec(mesh), NamedSharding(mesh, PartitionSpec())
+    b, s = r.slots, r.max_prompt_len + r.max_response_len
+    unit = data_parallel_size(mesh)
+    max_rows = max_group_rows(b, o.minibatches, o.grad_accum)
+    widths = width_buckets(s)[-1:] if widest else width_buckets(s)
+
+    live = {"policy_params": per_chip_bytes(pparams), "policy_opt": per_chip_bytes(popt),
+            "value_params": per_chip_bytes(vparams), "value_opt": per_chip_bytes(vopt)}
+    ref = None
+    if cfg.algo.kl_coef > 0 and keep_p is None:  # setup.reference_copy
+        ref = pparams
+        live["reference_policy"] = live["policy_params"]
+    programs: list[Program] = []
+    facts: dict[str, Any] = {"slots": b, "seq_len": s, "widths": widths,
+                             "max_group_rows": max_rows, "batch_ways": unit}
+
+    for kind, graphdef, params, opt, tx, keep in (
+            ("policy", pdef, pparams, popt, tx_p, keep_p),
+            ("value", vdef, vparams, vopt, tx_v, keep_v)):
+        if f"{kind}_update" not in want and f"{kind}_apply" not in want:
+            continue
+        upd = make_updater(kind, graphdef, tx=tx, cfg=scfg, mesh=mesh, params=params,
+                           opt_state=opt, trainable=keep)
+        from tppo_jax.models.lora import split_trainable
+        train, frozen = (params, None) if keep is None else split_trainable(params, keep)
+        extra = (frozen,) if keep is not None else ((ref,) if upd.uses_ref else ())
+        held = (f"{kind}_params",) + (("reference_policy",) if upd.uses_ref else ())
+        denoms = {k: jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
+                  for k in (("tokens", "rows", "positive") if kind == "policy"
+                            else ("tokens", "rows"))}
+        grad_fn = upd.grads.jitted(0)
+        for w in widths:
+            rows = group_rows(w, max_rows, unit)
+            mb = _rows_batch(KEYS[kind], rows, w, rows_sh)
+            if f"{kind}_update" in want:
+                programs.append(Program(
+                    f"{kind}_update[w={w}]", f"{kind}_update",
+                    partial(grad_fn.lower, train, mb, denoms, *extra),
+                    {"rows": rows, "width": w, "tokens": rows * w}, held))
+        if f"{kind}_apply" in want:
+            w0 = widths[0]
+            out = grad_fn.eval_shape(train, _rows_batch(KEYS[kind], group_rows(
+                w0, max_rows, unit), w0, rows_sh), denoms, *extra)
+            stats = _on_mesh(out[0], mesh)
+            grads = jax.tree.map(lambda g, p: _sds(g, p.sharding), out[1], train)
+            programs.append(Program(
+                f"{kind}_apply", f"{kind}_apply",
+                partial(upd.apply.lower, train, opt, grads, stats, denoms),
+                {}, (f"{kind}_params", f"{kind}_opt")))
+
+    if "targets" in want:
+        tg = make_targets(vdef, scfg, mesh=mesh, params=vparams)
+        for w in widths:
+            rows = group_rows(w, max_rows, unit)
+            grp = _rows_batch(KEYS["targets"], rows, w, rows_sh)
+            programs.append(Program(f"targets[w={w}]", "targets",
+                                    partial(tg.values.lower, vparams, grp),
+                                    {"rows": rows, "width": w}, ("value_params",)))
+        full = {"tokens": ((b, s), jnp.int32), "attn": ((b, s), jnp.bool_),
+                "prompt_len": ((b,), jnp.int32), "window_start": ((b,), jnp.int32),
+                "window_len": ((b,), jnp.int32), "finished": ((b,), jnp.bool_),
+                "reward": ((b,), jnp.float32), "correct": ((b,), jnp.bool_)}
+        batch = {k: jax.ShapeDtypeStruct(sh, dt, sharding=rows_sh) for k, (sh, dt) in full.items()}
+        values = jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=rows_sh)
+        programs.append(Program("targets_finish", "targets",
+                                partial(tg.finish.lower, values, batch),
+                                {"rows": b, "width": s}, ()))
+
+    # Rollout: the scheduler's engine (paged pools are made off the mesh: replicated), on
+    # the decode mesh (mesh.decode_tensor: tensor-parallel replicas) or the training mesh.
+    dmesh = decode_mesh(mesh, cfg.mesh.decode_tensor) if cfg.mesh.decode_tensor else mesh
+    rows_sh, rep = batch_spec(dmesh), NamedSharding(dmesh, PartitionSpec())
+    rollout_params = pparams
+    if cfg.mesh.decode_layout == "decode":
+        from tppo_jax.models.transformer import param_shardings
+        dec = nnx.to_pure_dict(param_shardings(models["policy_state"], dmesh,
+                                               rules=layout_rules("decode")))
+        rollout_params = jax.tree.map(_sds, pparams, dec)
+        live["decode_copy"] = per_chip_bytes(rollout_params)
+    policy = nnx.merge(pdef, rollout_params)
+    sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
+    # ``auto`` as it resolves on the slice, not on this machine: paged on one TPU host
+    kv = r.kv_cache if r.kv_cache != "auto" else ("paged" if hosts == 1 else "dense")
+    engine = make_engine(policy, replace(r, kv_cache=kv), eos_ids=(0,), sampling=sampling,
+                         seed=cfg.train.seed, mesh=dmesh)
+    ds = _on_mesh(jax.eval_shape(engine.init_decode_state), dmesh)
+    live["kv_cache"] = per_chip_bytes(ds.cache)
+    facts["kv_cache"] = engine.kv_cache
+    ep = EngineParams(state=nnx.state(policy), version=jax.ShapeDtypeStruct((), jnp.int32,
+                                                                            sharding=rep))
+    slot = lambda dt: jax.ShapeDtypeStruct((b,), dt, sharding=rows_sh)  # noqa: E731
+    held_roll = ("decode_copy",) if "decode_copy" in live else ("policy_params",)
+    window = min(r.window, r.max_response_len)
+    if "rollout" in want:
+        # new prompts are prefilled at their bucket; continuations (reprefill) at the widest
+        pw = s if r.kv_policy == "reprefill" else bucket_width(r.max_prompt_len, s)
+        toks = jax.ShapeDtypeStruct((b, pw), jnp.int32, sharding=rows_sh)
+        programs.append(Program(
+            f"rollout_prefill[w={pw}]", "rollout",
+            partial(engine.lowered, "prefill_slots", ep, ds, toks, slot(jnp.int32),
+                    slot(jnp.bool_)),
+            {"slots": b, "width": pw}, (*held_roll, "kv_cache")))
+        programs.append(Program(
+            f"rollout_window[l={window}]", "rollout",
+            partial(engine.lowered, "generate_window", ds, ep, window, slot(jnp.int32),
+                    slot(jnp.bool_)),
+            {"slots": b, "window": window, "decode_steps": 1,
+             "kv_bytes": per_chip_bytes(ds.cache)}, (*held_roll, "kv_cache")))
+
+    if "eval" in want:
+        p = run_protocol(cfg)
+        eb = inspect.signature(decode_and_grade).parameters["batch_size"].default
+        es = r.max_prompt_len + p.max_tokens
+        ee = EvalEngines().get(policy, (0,), eb, es, p.sampling or sampling, dmesh)
+        eds = _on_mesh(jax.eval_shape(ee.init_decode_state), dmesh)
+        ew = bucket_width(r.max_prompt_len, es)
+        eslot = lambda dt: jax.ShapeDtypeStruct((eb,), dt, sharding=rows_sh)  # noqa: E731
+        etoks = jax.ShapeDtypeStruct((eb, ew), jnp.int32, sharding=rows_sh)
+        # The eval runs between steps: the rollout's KV cache is live, its own is not.
+        programs.append(Program(
+            "eval_prefill", "eval",
+            partial(ee.lowered, "prefill_slots", ep, eds, etoks, eslot(jnp.int32),
+                    eslot(jnp.bool_)),
+            {"slots": eb, "width": ew}, held_roll))
+        programs.append(Program(
+            f"eval_window[l={p.max_tokens}]", "eval",
+            partial(ee.lowered, "generate_window", eds, ep, p.max_tokens, eslot(jnp.int32),
+                    eslot(jnp.bool_)),
+            {"slots": eb, "window": p.max_tokens}, held_roll))
+    if only:
+        order = {k: i for i, k in enumerate(only)}
+        programs.sort(key=lambda p: order[p.kind])
+    return programs, live, facts
+
+
+_OOM = re.compile(r"RESOURCE_EXHAUSTED[^\n]*")
+_NEED = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
+                   r"\(([\d.]+)([KMGT])\)")
+_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def _oom_message(err: Exception) -> str | None:
+    """The compiler's out-of-memory line (with the shortfall when it names one), else None."""
+    text = str(err)
+    m = _OOM.search(text)
+    if not m:
+        return None
+    n = _NEED.search(text)
+    if n:
+        need = float(n.group(1)) * _UNITS[n.group(2)]
+        have = float(n.group(3)) * _UNITS[n.group(4)]
+        return (f"temporaries need {need / GIB:.2f} GiB of {have / GIB:.2f} GiB available "
+                f"({(need - have) / GIB:.2f} GiB short)")
+    return m.group(0).strip()[:300]
+
+
+def _cost(compiled: Any) -> dict[str, float]:
+    c = compiled.cost_analysis()
+    c = c[0] if isinstance(c, list | tuple) else (c or {})
+    return {"flops": float(c.get("flops", 0.0)),
+            "bytes_accessed": float(c.get("bytes accessed", 0.0))}
+
+
+def compile_program(p: Program, live: dict[str, int], hbm: int) -> dict[str, Any]:
+    """Compiles ``p`` with the TPU compiler; its record (see the module docstring)."""
+    rec: dict[str, Any] = {"name": p.name, "kind": p.kind, **p.meta}
+    others = sum(v for k, v in live.items() if k not in p.holds)
+    t0 = time.perf_counter()
+    try:
+        compiled = p.lower().compile()
+    except Exception as e:  # the compiler's errors are XlaRuntimeError / ValueError
+        oom = _oom_message(e)
+        if oom is None:
+            raise
+        rec.update(compiled=False, fits_alone=False, fits=False, error=oom,
+                   compile_s=round(time.perf_counter() - t0, 1))
+        return rec
+    ma = compiled.memory_analysis()
+    peak = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+            - ma.alias_size_in_bytes)
+    resident = peak + others
+    rec.update(compiled=True, compile_s=round(time.perf_counter() - t0, 1),
+               arguments=ma.argument_size_in_bytes, outputs=ma.output_size_in_bytes,
+               temporaries=ma.temp_size_in_bytes, aliased=ma.alias_size_in_bytes,
+               peak=peak, live_outside=others, resident=resident,
+               peak_gib=round(peak / GIB, 3), resident_gib=round(resident / GIB, 3),
+               fits_alone=peak <= hbm, fits=resident <= hbm, **_cost(compiled))
+    return rec
+
+
+def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = None,
+                 stop_early: bool = False, widest: bool = False, config_name: str = "",
+                 progress: Callable[[str], None] | None = None,
+                 out: str | None = None) -> dict[str, Any]:
+    """Builds and compiles every program of a step of ``cfg`` for ``topo``; the report (JSON
+    data). ``only``: program kinds (``KINDS``), compiled in that order; ``stop_early``: stop at
+    the first program that does not fit; ``widest``: see ``build_programs``; ``out``: the
+    report is written there after every program (a long compile keeps what it has done).
+    Raises ``TopologyError`` / ``ConfigError`` (one line) on bad input."""
+    from tppo_jax.parallel.mesh import make_mesh
+    from tppo_jax.plan import resolve_mesh
+
+    bad = sorted(set(only or ()) - set(KINDS))
+    if bad:
+        raise ConfigError(f"--programs: unknown {', '.join(bad)}; known: {', '.join(KINDS)}")
+    devices = abstract_devices(topo)
+    sizes = resolve_mesh(cfg, len(devices))
+    validate(cfg, num_devices=len(devices), num_processes=topo.hosts)
+    mesh = make_mesh(sizes, devices)
+    t0 = time.perf_counter()
+    programs, live, facts = build_programs(cfg, mesh, only, hosts=topo.hosts, widest=widest)
+    records: list[dict[str, Any]] = []
+
+    def report() -> dict[str, Any]:
+        worst = max(records, key=lambda r: r.get("resident", math.inf), default=None)
+        return {
+            "config": config_name, "topology": topo.name, "topology_desc": topo.topology_name,
+            "chips": topo.chips, "hosts": topo.hosts, "hbm_per_chip": topo.hbm_bytes,
+            "hbm_gib": round(topo.hbm_bytes / GIB, 2), "mesh": sizes,
+            "model": models_summary(cfg), **facts,
+            "attention": model_config(cfg).attention,
+            "jax": jax.__version__, "libtpu": libtpu_version(),
+            "live": live, "live_gib": round(sum(live.values()) / GIB, 3),
+            "programs": records, "compile_s": round(time.perf_counter() - t0, 1),
+            "fits": all(r["fits"] for r in records) and len(records) == len(programs),
+            "worst": worst["name"] if worst else None, "widest_only": widest,
+            "complete": len(records) == len(programs),
+            "not_compiled": [p.name for p in programs[len(records):]],
+        }
+
+    for p in programs:
+        if progress:
+            progress(p.name)
+        # The training programs trace under the mesh, as splash attention needs to run per
+        # shard; rollout and eval decode through the KV cache (and may use the decode mesh).
+        with (jax.set_mesh(mesh) if p.kind not in ("rollout", "eval")
+              else contextlib.nullcontext()):
+            rec = compile_program(p, live, topo.hbm_bytes)
+        records.append(rec)
+        if out:
+            write_report(report(), out)
+        if stop_early and not rec["fits"]:
+            break
+    return report()
+
+
+def models_summary(cfg: Config) -> dict[str, Any]:
+    mc = model_config(cfg)
+    return {"path": cfg.model.path, "source": cfg.model.source, "dtype": mc.dtype,
+            "layers": mc.num_layers, "hidden": mc.hidden_size, "remat": mc.remat,
+            "lora_rank": cfg.model.lora_rank}
+
+
+def refusal(report: dict[str, Any]) -> str | None:
+    """One line naming the first program that does not fit and its shortfall, or None."""
+    hbm = report["hbm_per_chip"]
+    for r in report["programs"]:
+        if r["fits"]:
+            continue
+        if not r["compiled"]:
+            why = r["error"]
+        else:
+            why = (f"{r['resident'] / GIB:.2f} GiB per chip ({r['peak'] / GIB:.2f} program + "
+                   f"{r['live_outside'] / GIB:.2f} live state) of {hbm / GIB:.2f} GiB, "
+                   f"{(r['resident'] - hbm) / GIB:.2f} GiB over")
+        return (f"{report['config'] or 'config'} does not fit {report['topology']}: "
+                f"{r['name']}: {why}")
+    return None
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The per-program table and the verdict."""
+    gib = lambda n: f"{n / GIB:8.2f}"  # noqa: E731
+    lines = [f"{report['config']} on {report['topology']} ({report['topology_desc']}, "
+             f"{report['chips']} chips, {report['hosts']} host(s), {report['hbm_gib']} GiB "
+             f"HBM/chip), mesh {report['mesh']}; jax {report['jax']}, libtpu "
+             f"{report['libtpu']}",
+             "live across programs (GiB/chip): " + ", ".join(
+                 f"{k} {v / GIB:.2f}" for k, v in report["live"].items()),
+             f"{'program':28s} {'peak':>8s} {'+live':>8s} {'total':>8s} {'TFLOP':>8s} "
+             f"{'GB acc':>8s} {'comp s':>7s}  fits"]
+    for r in report["programs"]:
+        if not r["compiled"]:
+            lines.append(f"{r['name']:28s} refused by the compiler: {r['error']}")
+            continue
+        lines.append(f"{r['name']:28s} {gib(r['peak'])} {gib(r['live_outside'])} "
+                     f"{gib(r['resident'])} {r['flops'] / 1e12:8.2f} "
+                     f"{r['bytes_accessed'] / 1e9:8.2f} {r['compile_s']:7.1f}  "
+                     f"{'yes' if r['fits'] else 'NO'}")
+    why = refusal(report)
+    if why:
+        lines.append(f"DOES NOT FIT: {why}")
+    elif not report["complete"]:
+        lines.append("stopped early")
+    else:
+        lines.append(f"fits: every program within {report['hbm_gib']} GiB per chip")
+    return "\n".join(lines)
+
+
+def write_report(report: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+        f.write("\n")
+
+
+__all__ = ["KINDS", "Program", "TopologyError", "abstract_models", "build_programs",
+           "compile_plan", "format_report", "per_chip_bytes", "refusal", "write_report"]
