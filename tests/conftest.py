@@ -33,6 +33,19 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(os.cpu_count() or 1, 4))
 
 
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """The root logger's handlers and level as before the test: a command run in-process
+    (``tppo train`` sets up logging) must not change what a later test's stderr holds."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def devices8():
     devs = jax.devices()
