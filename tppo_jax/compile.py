@@ -79,6 +79,19 @@ def per_chip_bytes(tree: Any) -> int:
     return n
 
 
+def abstract_decode_state(engine: Any, mesh: Any) -> Any:
+    """The engine's empty ``DecodeState`` as abstract arrays laid out as the engine makes it:
+    a dense cache sharded over ``mesh`` (``DenseKVCache.init_on_mesh``; ``eval_shape`` drops
+    the layout of a jit nested in the traced function), the rest replicated."""
+    from tppo_jax.models.cache import DenseKVCache
+
+    ds = jax.eval_shape(engine.init_decode_state)
+    if isinstance(ds.cache, DenseKVCache) and engine.cache_mesh is not None:
+        ds = ds.replace(cache=jax.tree.map(
+            _sds, ds.cache, DenseKVCache.layout(engine.cache_mesh, ds.cache.k.shape)))
+    return _on_mesh(ds, mesh)
+
+
 def _on_mesh(tree: Any, mesh: Any) -> Any:
     """Leaves without a sharding (what the trainer creates uncommitted: a paged KV pool,
     step counts) as replicated on ``mesh``, as a jitted step receives them."""
@@ -269,7 +282,7 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     kv = r.kv_cache if r.kv_cache != "auto" else ("paged" if hosts == 1 else "dense")
     engine = make_engine(policy, replace(r, kv_cache=kv), eos_ids=(0,), sampling=sampling,
                          seed=cfg.train.seed, mesh=dmesh)
-    ds = _on_mesh(jax.eval_shape(engine.init_decode_state), dmesh)
+    ds = abstract_decode_state(engine, dmesh)
     live["kv_cache"] = per_chip_bytes(ds.cache)
     facts["kv_cache"] = engine.kv_cache
     ep = EngineParams(state=nnx.state(policy), version=jax.ShapeDtypeStruct((), jnp.int32,
@@ -298,7 +311,7 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
         eb = inspect.signature(decode_and_grade).parameters["batch_size"].default
         es = r.max_prompt_len + p.max_tokens
         ee = EvalEngines().get(policy, (0,), eb, es, p.sampling or sampling, dmesh)
-        eds = _on_mesh(jax.eval_shape(ee.init_decode_state), dmesh)
+        eds = abstract_decode_state(ee, dmesh)
         ew = bucket_width(r.max_prompt_len, es)
         eslot = lambda dt: jax.ShapeDtypeStruct((eb,), dt, sharding=rows_sh)  # noqa: E731
         etoks = jax.ShapeDtypeStruct((eb, ew), jnp.int32, sharding=rows_sh)

@@ -119,11 +119,16 @@ class DenseKVCache:
         """``init`` with every device allocating only its own shard (jit ``out_shardings``):
         the whole cache never sits on one device, and each host builds only its part."""
         shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
-        kv = named_sharding(mesh, cls.LOGICAL_AXES, shape)
-        lengths = named_sharding(mesh, ("batch",), (batch,))
         make = jax.jit(lambda: cls.init(num_layers, batch, max_len, num_kv_heads, head_dim,
-                                        dtype), out_shardings=cls(kv, kv, lengths))
+                                        dtype), out_shardings=cls.layout(mesh, shape))
         return make()
+
+    @classmethod
+    def layout(cls, mesh: Mesh, shape: tuple[int, ...]) -> DenseKVCache:
+        """The ``NamedSharding`` of each field for a cache of ``[L, B, S, kv_heads, head_dim]``
+        on ``mesh``: rows over the batch axes, heads over ``tensor``."""
+        kv = named_sharding(mesh, cls.LOGICAL_AXES, shape)
+        return cls(kv, kv, named_sharding(mesh, ("batch",), (shape[1],)))
 
     @property
     def max_len(self) -> int:

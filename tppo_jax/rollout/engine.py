@@ -180,6 +180,11 @@ class DecodeEngine:
         """Pages with refcount > 0 (a shared prompt page counts once)."""
         return kv_slots.pages_in_use(decode_state.cache)
 
+    @property
+    def cache_mesh(self) -> Any:
+        """The mesh a dense cache and the per-slot rows are laid out on (None: one device)."""
+        return self._cache_mesh
+
     def put_rows(self, x: np.ndarray) -> Array:
         """This host's rows of a per-slot array as the device array the engine takes: global
         and batch-sharded over the engine's mesh when it has one."""
