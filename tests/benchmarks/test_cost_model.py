@@ -261,3 +261,12 @@ def test_paper_scale_takes_its_units_from_a_compiled_json(tmp_path):
     h = out["headline"]
     assert h["speedup"] == pytest.approx(1 / (h["f"] / h["r_d"] + (1 - h["f"]) * h["r_u"]))
     assert [s["f"] for s in out["published_shares"]] == [0.41, 0.50, 0.70, 0.60, 0.64]
+
+
+def test_compiled_units_refuse_scanned_layers(tmp_path):
+    """XLA counts a loop body once: a scanned-layer program's FLOPs are one layer's."""
+    path = tmp_path / "compiled.json"
+    path.write_text(json.dumps({"config": "toy", "model": {"scanned_layers": True},
+                                "programs": []}))
+    with pytest.raises(SystemExit, match="--unroll-layers"):
+        load_compiled(path)

@@ -145,3 +145,19 @@ def cfg_model(cfg):
     from tppo_jax.compile import model_config
 
     return model_config(cfg)
+
+
+@needs_libtpu
+def test_unrolled_layers_count_every_layers_flops(tmp_path):
+    """Scanned layers: XLA's cost analysis counts the layer loop's body once; unrolled, the
+    policy update's FLOPs grow by about the other layers' share (the smoke model has 2)."""
+    flops = {}
+    for extra in ([], ["--unroll-layers"]):
+        out = tmp_path / f"c{len(extra)}.json"
+        assert cli.main(["plan", "smoke", *SMALL, "--topology", "v5e:2x2", "--compile",
+                         "--programs", "policy_update", "--widest", "--out", str(out),
+                         *extra]) == 0
+        rep = json.loads(out.read_text())
+        assert rep["model"]["scanned_layers"] == (not extra)
+        flops[bool(extra)] = rep["programs"][0]["flops"]
+    assert flops[True] > 1.3 * flops[False], flops

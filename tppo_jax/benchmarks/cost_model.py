@@ -232,11 +232,16 @@ def load_compiled(path: Path) -> Compiled:
     width``; the width buckets summed: FLOPs over tokens across them, attention inside).
     Programs that did not compile, and the rest, are skipped."""
     try:
-        progs = json.loads(Path(path).read_text())["programs"]
+        data = json.loads(Path(path).read_text())
+        progs = data["programs"]
         recs = (list(progs.items()) if isinstance(progs, dict)
                 else [(p["name"], p) for p in progs])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path}: not a compiled-programs JSON ({e})") from None
+    if (data.get("model") or {}).get("scanned_layers"):
+        raise SystemExit(f"{path}: its programs scan the layers and XLA counts a loop body once "
+                         f"(one layer's FLOPs and bytes); compile with `tppo plan ... --compile "
+                         f"--unroll-layers` for unit costs")
     roles: dict[str, list[dict]] = {}
     for name, rec in recs:
         role = _program_role(name, rec)

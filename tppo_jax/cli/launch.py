@@ -134,6 +134,10 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                         "policy_apply, value_update, value_apply, targets, rollout, eval)")
     p.add_argument("--stop-early", action="store_true",
                    help="--compile: stop at the first program that does not fit")
+    p.add_argument("--unroll-layers", action="store_true",
+                   help="--compile: unrolled layers, so FLOPs and bytes count every layer "
+                        "(XLA counts a scanned layer loop's body once; for "
+                        "`tppo bench cost-model --compiled`; compiles take longer)")
     p.add_argument("--widest", action="store_true",
                    help="--compile: the row-group programs at the widest width bucket only "
                         "(their peak; a long model's compiles take minutes each)")
@@ -170,6 +174,7 @@ def _compile(cfg, args: argparse.Namespace) -> int:
     name = Path(args.config).stem
     report = compile_plan(cfg, topo, only=only, stop_early=args.stop_early,
                           widest=args.widest, config_name=name, out=args.out,
+                          unroll_layers=args.unroll_layers,
                           progress=lambda n: print(f"compiling {n}", file=sys.stderr,
                                                    flush=True))
     print(json.dumps(report, indent=1) if args.json else format_report(report))
