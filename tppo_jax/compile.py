@@ -185,7 +185,7 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     from tppo_jax.rollout.scheduler import make_engine
     from tppo_jax.train.step import StepConfig, batch_spec, make_optimizer
     from tppo_jax.train.targets import make_targets
-    from tppo_jax.train.trainable import trainable_keys, trained_part
+    from tppo_jax.train.trainable import shares_base, split_trainable, trainable_keys, trained_part
     from tppo_jax.train.update import KEYS, make_updater
     from tppo_jax.train.update_plan import group_rows, max_group_rows
 
@@ -206,8 +206,10 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     max_rows = max_group_rows(b, o.minibatches, o.grad_accum)
     widths = width_buckets(s)[-1:] if widest else width_buckets(s)
 
+    # A critic sharing the policy's frozen base (LoRA) holds only its own leaves
+    shared = per_chip_bytes(split_trainable(pparams["backbone"])[1]) if shares_base(cfg) else 0
     live = {"policy_params": per_chip_bytes(pparams), "policy_opt": per_chip_bytes(popt),
-            "value_params": per_chip_bytes(vparams), "value_opt": per_chip_bytes(vopt)}
+            "value_params": per_chip_bytes(vparams) - shared, "value_opt": per_chip_bytes(vopt)}
     ref = None
     if cfg.algo.kl_coef > 0 and keep_p is None:  # setup.reference_copy
         ref = pparams

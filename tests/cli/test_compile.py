@@ -161,3 +161,20 @@ def test_unrolled_layers_count_every_layers_flops(tmp_path):
         assert rep["model"]["scanned_layers"] == (not extra)
         flops[bool(extra)] = rep["programs"][0]["flops"]
     assert flops[True] > 1.3 * flops[False], flops
+
+
+def test_a_critic_sharing_the_lora_base_counts_only_its_own_leaves(devices8):
+    from tppo_jax.compile import build_programs
+    from tppo_jax.config import load_config
+    from tppo_jax.parallel.mesh import make_mesh
+
+    mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1}, devices8)
+    live = {}
+    for rank in (0, 4):
+        cfg = load_config("smoke", [*SMALL, f"model.lora_rank={rank}", "model.value_init=policy"])
+        live[rank] = build_programs(cfg, mesh, ["policy_apply"])[1]
+    # without LoRA the critic is a backbone of its own and a value head; with it, the critic
+    # holds its adapters (as many as the policy's) and the head, the base once (the policy's)
+    head = live[0]["value_params"] - live[0]["policy_params"]
+    adapters = live[4]["policy_params"] - live[0]["policy_params"]
+    assert 0 < head < 100 and live[4]["value_params"] == adapters + head
