@@ -122,7 +122,7 @@ def test_a_dense_kv_cache_counts_one_shard_per_chip(devices8, decode_tensor):
     """A dense cache is made sharded on the (decode) mesh (``DenseKVCache.init_on_mesh``):
     the live state counts one chip's shard, as the trainer lays it out, not the whole cache
     on every chip (the paper config's 53 TB pool read as 53 TB per chip)."""
-    from tppo_jax.compile import build_programs
+    from tppo_jax.compile import build_programs, model_config
     from tppo_jax.config import load_config
     from tppo_jax.parallel.mesh import make_mesh
 
@@ -131,7 +131,7 @@ def test_a_dense_kv_cache_counts_one_shard_per_chip(devices8, decode_tensor):
                                 "mesh.fsdp=8", f"mesh.decode_tensor={decode_tensor}", *layout])
     mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1}, devices8)
     _, live, facts = build_programs(cfg, mesh, ["rollout"])
-    mc, r = cfg_model(cfg), cfg.rollout
+    mc, r = model_config(cfg), cfg.rollout
     slots = r.prompts_per_step * r.group_size
     whole = 2 * mc.num_layers * slots * (r.max_prompt_len + r.max_response_len) \
         * mc.num_kv_heads * mc.head_dim * 4  # k and v, float32
@@ -139,12 +139,6 @@ def test_a_dense_kv_cache_counts_one_shard_per_chip(devices8, decode_tensor):
     ways = 8 if not decode_tensor else 4 * (2 if mc.num_kv_heads % 2 == 0 else 1)
     assert facts["kv_cache"] == "dense"
     assert whole // ways <= live["kv_cache"] <= whole // ways + 4 * slots  # + the lengths
-
-
-def cfg_model(cfg):
-    from tppo_jax.compile import model_config
-
-    return model_config(cfg)
 
 
 @needs_libtpu

@@ -56,13 +56,6 @@ def start_distributed(args: argparse.Namespace) -> None:
         raise ConfigError(str(e)) from None
 
 
-def setup_logging() -> None:
-    """Our INFO lines (resume, warm-start, checkpoints) on stderr; libraries at WARNING.
-    ``force``: importing Orbax already made absl call ``basicConfig()`` (level WARNING),
-    which silently turned a later ``basicConfig(level=INFO)`` into a no-op."""
-    log_to_stderr(logging.WARNING, ours=logging.INFO)
-
-
 def start_over(rd: RunDir) -> None:
     """``--start-over``: refused while the run has checkpoints (it never discards one);
     else process 0 moves the run's logs and config.yaml aside (a bucket run's pulled back
@@ -115,7 +108,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from tppo_jax.train.run_dir import RunDirError, resolve_run_dir
     from tppo_jax.train.setup import claim_run_dir
 
-    setup_logging()
+    log_to_stderr(logging.WARNING, ours=logging.INFO)  # ours: resume, warm-start, checkpoints
     start_distributed(args)
     name = Path(args.config).stem if args.config else "default"
     run_dir = args.run_dir or str(Path("runs") / name)  # str: may be a gs:// URL
