@@ -162,11 +162,12 @@ def abstract_opt_state(tx: Any, params: Any, mesh: Any) -> Any:
                                  transform_non_params=lambda s: _sds(s, rep))
 
 
-def _rows_batch(keys: Sequence[str], rows: int, width: int, sharding: Any) -> dict[str, Any]:
-    """A row group's ``[R, W]`` arrays as ``take_rows`` hands them to the gradient."""
+def _rows_batch(record: type, rows: int, width: int, sharding: Any) -> Any:
+    """A row group's ``[R, W]`` record (``PolicyRows``, ``ValueRows``, ``TokenRows``) as
+    its ``take`` hands it to the gradient or the values pass."""
     dtypes = {"tokens": jnp.int32, "attn": jnp.bool_}
-    return {k: jax.ShapeDtypeStruct((rows, width), dtypes.get(k, jnp.float32),
-                                    sharding=sharding) for k in keys}
+    return record(**{k: jax.ShapeDtypeStruct((rows, width), dtypes.get(k, jnp.float32),
+                                             sharding=sharding) for k in record._fields})
 
 
 def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
@@ -179,15 +180,22 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     grows with the width); ``unroll_layers``: see ``model_config``."""
     from tppo_jax.eval.heldout import EvalEngines, decode_and_grade
     from tppo_jax.eval.protocol import run_protocol
+    from tppo_jax.learner import (
+        Learner,
+        LearnerConfig,
+        TokenRows,
+        TrainBatch,
+        TrainState,
+        policy_optimizer,
+        value_optimizer,
+    )
+    from tppo_jax.learner.learner import ROWS, batch_spec
+    from tppo_jax.learner.plan import group_rows, max_group_rows
     from tppo_jax.parallel.mesh import data_parallel_size, decode_mesh, layout_rules
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.rollout.engine import EngineParams
     from tppo_jax.rollout.scheduler import make_engine
-    from tppo_jax.train.step import StepConfig, batch_spec, make_optimizer
-    from tppo_jax.train.targets import make_targets
     from tppo_jax.train.trainable import shares_base, split_trainable, trainable_keys, trained_part
-    from tppo_jax.train.update import KEYS, make_updater
-    from tppo_jax.train.update_plan import group_rows, max_group_rows
 
     want = set(only or KINDS)
     r, o = cfg.rollout, cfg.optim
@@ -195,11 +203,12 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     pdef, pparams = models["policy"]
     vdef, vparams = models["value"]
     keep_p, keep_v = trainable_keys(cfg)
-    tx_p = make_optimizer(o.policy_lr, o, decay_steps=o.policy_lr_decay_steps)
-    tx_v = make_optimizer(o.value_lr, o, o.critic_epochs)
+    learner_cfg = LearnerConfig.from_config(cfg)
+    tx_p, tx_v = policy_optimizer(o), value_optimizer(o)
     popt = abstract_opt_state(tx_p, trained_part(pparams, keep_p), mesh)
     vopt = abstract_opt_state(tx_v, trained_part(vparams, keep_v), mesh)
-    scfg = StepConfig.from_config(cfg)
+    learner = Learner(pdef, vdef, learner_cfg, mesh=mesh,
+                      state=TrainState(pparams, vparams, popt, vopt), trainable=(keep_p, keep_v))
     rows_sh, rep = batch_spec(mesh), NamedSharding(mesh, PartitionSpec())
     b, s = r.slots, r.max_prompt_len + r.max_response_len
     unit = data_parallel_size(mesh)
@@ -218,13 +227,11 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     facts: dict[str, Any] = {"slots": b, "seq_len": s, "widths": widths,
                              "max_group_rows": max_rows, "batch_ways": unit}
 
-    for kind, graphdef, params, opt, tx, keep in (
-            ("policy", pdef, pparams, popt, tx_p, keep_p),
-            ("value", vdef, vparams, vopt, tx_v, keep_v)):
+    for kind, params, opt, keep in (("policy", pparams, popt, keep_p),
+                                    ("value", vparams, vopt, keep_v)):
         if f"{kind}_update" not in want and f"{kind}_apply" not in want:
             continue
-        upd = make_updater(kind, graphdef, tx=tx, cfg=scfg, mesh=mesh, params=params,
-                           opt_state=opt, trainable=keep)
+        upd = learner.policy if kind == "policy" else learner.value
         from tppo_jax.models.lora import split_trainable
         train, frozen = (params, None) if keep is None else split_trainable(params, keep)
         extra = (frozen,) if keep is not None else ((ref,) if upd.uses_ref else ())
@@ -232,10 +239,10 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
         denoms = {k: jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
                   for k in (("tokens", "rows", "positive") if kind == "policy"
                             else ("tokens", "rows"))}
-        grad_fn = upd.grads.jitted(0)
+        grad_fn = upd.grads
         for w in widths:
             rows = group_rows(w, max_rows, unit)
-            mb = _rows_batch(KEYS[kind], rows, w, rows_sh)
+            mb = _rows_batch(ROWS[kind], rows, w, rows_sh)
             if f"{kind}_update" in want:
                 programs.append(Program(
                     f"{kind}_update[w={w}]", f"{kind}_update",
@@ -243,7 +250,7 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
                     {"rows": rows, "width": w, "tokens": rows * w}, held))
         if f"{kind}_apply" in want:
             w0 = widths[0]
-            out = grad_fn.eval_shape(train, _rows_batch(KEYS[kind], group_rows(
+            out = grad_fn.eval_shape(train, _rows_batch(ROWS[kind], group_rows(
                 w0, max_rows, unit), w0, rows_sh), denoms, *extra)
             stats = _on_mesh(out[0], mesh)
             grads = jax.tree.map(lambda g, p: _sds(g, p.sharding), out[1], train)
@@ -253,21 +260,23 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
                 {}, (f"{kind}_params", f"{kind}_opt")))
 
     if "targets" in want:
-        tg = make_targets(vdef, scfg, mesh=mesh, params=vparams)
         for w in widths:
             rows = group_rows(w, max_rows, unit)
-            grp = _rows_batch(KEYS["targets"], rows, w, rows_sh)
+            grp = _rows_batch(TokenRows, rows, w, rows_sh)
             programs.append(Program(f"targets[w={w}]", "targets",
-                                    partial(tg.values.lower, vparams, grp),
+                                    partial(learner.group_values.lower, vparams, grp),
                                     {"rows": rows, "width": w}, ("value_params",)))
         full = {"tokens": ((b, s), jnp.int32), "attn": ((b, s), jnp.bool_),
+                "sample_logprobs": ((b, s), jnp.float32),
                 "prompt_len": ((b,), jnp.int32), "window_start": ((b,), jnp.int32),
                 "window_len": ((b,), jnp.int32), "finished": ((b,), jnp.bool_),
-                "reward": ((b,), jnp.float32), "correct": ((b,), jnp.bool_)}
-        batch = {k: jax.ShapeDtypeStruct(sh, dt, sharding=rows_sh) for k, (sh, dt) in full.items()}
+                "reward": ((b,), jnp.float32), "correct": ((b,), jnp.bool_),
+                "group": ((b,), jnp.int32)}
+        batch = TrainBatch(**{k: jax.ShapeDtypeStruct(sh, dt, sharding=rows_sh)
+                              for k, (sh, dt) in full.items()})
         values = jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=rows_sh)
         programs.append(Program("targets_finish", "targets",
-                                partial(tg.finish.lower, values, batch),
+                                partial(learner.finish.lower, values, batch),
                                 {"rows": b, "width": s}, ()))
 
     # Rollout: the scheduler's engine (paged pools are made off the mesh: replicated), on

@@ -107,26 +107,16 @@ class AlgoConfig:
     # the policy RL started from (warm-start or model.path); 0 disables (and holds no
     # reference copy)
     kl_coef: float = 0.0
-    # "k3": the sampled token's k3 estimate (verl's low_var_kl); "exact": the KL of the two
-    # whole next-token distributions at each trained position (verl's "full"): no sampling
-    # noise, and it holds the ranking of tokens that were not sampled
-    kl_estimator: Literal["k3", "exact"] = "k3"
     critic_warmup_steps: int = 0  # first steps train the critic only (inside the budget)
     # VAPO's value pretraining: critic-only steps on full-length rollouts of the starting
     # policy before step 1, outside train.time_budget_s, cached beside the run dir so runs
     # that would pretrain the same critic share it (train/value_pretrain.py); 0 = off
     value_pretrain_steps: int = 0
-    # The policy's advantage on a row that finished: "critic" = EGAE on the critic's values;
-    # "group" = its reward minus the mean reward of its prompt's other samples that finished in
-    # the same step (leave-one-out, as RLOO/GRPO), where there is one; EGAE otherwise, and on
-    # every unfinished window (only the critic can judge a window that has not ended)
-    advantage_baseline: Literal["critic", "group"] = "critic"
-    # Which siblings the group baseline reads: "step" = those finished in the same step;
-    # "so_far" = also those graded in earlier steps. Under T-PPO a prompt's G samples can
-    # start and finish in different steps, so "step" leaves some finished rows without a
-    # sibling (EGAE on the critic then: 4% at l = 128, 12% at l = 64 on the long tail);
-    # under PPO (l >= L) every group finishes together: the same
-    group_siblings: Literal["step", "so_far"] = "step"
+    # The advantage estimator, by its registered name (learner/estimators.py): "critic" =
+    # EGAE on the critic's values; "group" = a finished row's reward minus the mean reward of
+    # its prompt's other samples that finished in the same step (leave-one-out, as
+    # RLOO/GRPO), where there is one; EGAE otherwise, and on every unfinished window
+    advantage_baseline: str = "critic"
     # The critic's output bias before its first update: "zero", or "mean_reward" = the mean
     # reward of that first rollout's finished rows, so V starts at the returns' scale rather
     # than 0 (Adam moves a bias ~lr per step: a zero-started critic stays far below the returns
@@ -137,18 +127,6 @@ class AlgoConfig:
     # standard deviation only, so every advantage keeps its sign (with the group baseline a
     # right answer's tokens are never pushed down, its stop decision included)
     whiten_center: bool = True
-    # A wrong answer's lines before its first invalid step (sympy step verifier) get no policy
-    # advantage: the outcome blames the slip and what follows, not the right lines before it
-    blame_from_first_error: bool = False
-    # The policy's update runs columns before a row's window forward only (docs/config.md)
-    detach_prefix: bool = False
-    # What the policy trains on each step. "window": every live row's current window, EGAE
-    # on the unfinished ones (T-PPO as the paper has it). "response": a row trains once, on
-    # its whole response, in the step it finishes, with a finished row's advantage; an
-    # unfinished row waits (no policy gradient, no KL), so no policy token rests on the
-    # critic's bootstrap. Its earlier windows' ratios are taken against the policy that
-    # sampled them. The same as "window" when l >= L (PPO)
-    policy_trains: Literal["window", "response"] = "window"
     advantage_clip: float | None = 10.0
     value_clip_low: float | None = 0.5
     value_clip_high: float | None = 0.6
@@ -225,9 +203,6 @@ class RewardConfig:
     batch_deadline_s: float = 30.0
     overlong_buffer: int = 0  # DAPO soft overlong penalty over the last N tokens; 0 disables
     overlong_penalty: float = 1.0
-    process: Literal["none", "first_error", "per_step"] = "none"  # sympy step verifier
-    process_penalty: float = -0.5  # at the end of the first (or every) invalid step
-    process_bonus: float = 0.05  # per_step: at the end of every valid step
     # Which answer text is graded: boxed | answer_line | boxed_or_answer_line | last_number;
     # auto = per data.format (rewards/grader.py DEFAULT_ANSWER_FORMATS).
     answer_format: Literal["auto", "boxed", "answer_line", "boxed_or_answer_line",
@@ -395,6 +370,21 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
+# Keys that were measured and removed (docs/log.md): a config that sets one to anything but
+# its old default is refused in one line; its old default (written into every run dir's
+# config.yaml before the removal) is read as absent, so those runs still resume.
+REMOVED_KEYS: dict[str, tuple[Any, str]] = {
+    "algo.detach_prefix": (False, "the policy update trains the whole prefix"),
+    "algo.policy_trains": ("window", "the policy trains every live row's current window"),
+    "algo.group_siblings": ("step", "the group baseline reads same-step siblings"),
+    "algo.blame_from_first_error": (False, "advantages cover the whole window"),
+    "algo.kl_estimator": ("k3", "the KL to the reference is the k3 estimate"),
+    "reward.process": ("none", "rewards are outcome rewards"),
+    "reward.process_penalty": (-0.5, "rewards are outcome rewards"),
+    "reward.process_bonus": (0.05, "rewards are outcome rewards"),
+}
+
+
 def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{where or 'config'}: expected a mapping, got {quote(data)}")
@@ -403,6 +393,12 @@ def _build(cls: type, data: dict[str, Any], where: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else str(key)
+        if path in REMOVED_KEYS:
+            default, now = REMOVED_KEYS[path]
+            if value == default:
+                continue
+            raise ConfigError(f"{path} was removed (measured and switched off; docs/log.md): "
+                              f"{now}; drop the key")
         if key not in names:
             prefix = f"{where}." if where else ""
             hint = _closest(str(key), names, prefix)

@@ -135,7 +135,6 @@ RANGES: dict[str, Range] = {
     "reward.workers": NON_NEGATIVE,  # 0 = grade inline
     "reward.item_timeout_s": POSITIVE, "reward.batch_deadline_s": POSITIVE,
     "reward.overlong_buffer": NON_NEGATIVE, "reward.overlong_penalty": NON_NEGATIVE,
-    "reward.process_penalty": ANY, "reward.process_bonus": ANY,
     "reward.verify_timeout_s": Range(1),  # whole seconds (SIGALRM)
     "reward.max_tasks_per_child": POSITIVE, "reward.crash_retries": NON_NEGATIVE,
     "mesh.data": MESH_AXIS, "mesh.fsdp": MESH_AXIS, "mesh.tensor": MESH_AXIS,
@@ -163,6 +162,7 @@ FREE_TEXT = frozenset({
     "data.hf_config", "data.split", "data.hf_revision",  # the names' shape: _check_hub_names
     "model.lora_targets",  # projection names: parse_lora_targets
     "logging.wandb_project", "logging.wandb_name", "logging.wandb_entity",  # wandb's to judge
+    "algo.advantage_baseline",  # a registered estimator's name: _check_estimator
 })
 
 
@@ -185,9 +185,20 @@ def parse_lora_targets(text: str) -> tuple[str, ...]:
 def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1) -> None:
     """Every field's range, then cross-field checks; raises ``ConfigError`` naming the key."""
     check_ranges(cfg)
+    _check_estimator(cfg)
     _check_rollout_and_algo(cfg)
     _check_data_and_model(cfg)
     _check_layout(cfg, num_devices, num_processes)
+
+
+def _check_estimator(cfg: Config) -> None:
+    """``algo.advantage_baseline`` names a registered estimator (learner/estimators.py)."""
+    from tppo_jax.learner.estimators import ESTIMATORS
+
+    name = cfg.algo.advantage_baseline
+    if name not in ESTIMATORS:
+        raise ConfigError(f"algo.advantage_baseline: {quote(name)} is not a registered "
+                          f"estimator; one of {sorted(ESTIMATORS)}")
 
 
 def section_fields(cfg: Config) -> typing.Iterator[tuple[str, Any, Any]]:

@@ -117,14 +117,18 @@ def test_static_greedy_and_top_k_skip_the_vocabulary_work():
 
 @pytest.mark.slow  # ~50 s on 2 shared cores: compiles two train steps
 def test_train_step_flops_near_six_n():
+    from flax import nnx
+
     from tppo_jax.benchmarks.accelerator import compile_train_step
+    from tppo_jax.models.value import ValueModel
 
     got = {}
     for policy in ("full", "dots"):
         # Unrolled: XLA's cost analysis counts a loop body (one scanned layer) once.
         model = create_model(ModelConfig.tiny(vocab_size=V, remat=True, remat_policy=policy,
                                               unroll_layers=True))
-        compiled, _, n = compile_train_step(model, "policy", 2, 32)
+        value = ValueModel(model.config, rngs=nnx.Rngs(1))
+        compiled, n = compile_train_step(model, value, "policy", 2, 32)
         got[policy] = xla_cost.train_report(compiled, n_params=n, tokens=64)["flops_vs_6n"]
     # 6N (+ attention, + the chunked log-prob's recomputed head, + remat's recompute).
     assert 1.0 < got["dots"] < got["full"] < 2.0, got

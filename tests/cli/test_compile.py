@@ -102,9 +102,9 @@ def test_plan_layout_agrees_with_the_compile_paths_state(devices8):
     the optimizers' step counts are a few replicated bytes)."""
     from tppo_jax.compile import abstract_models, abstract_opt_state, per_chip_bytes
     from tppo_jax.config import load_config
+    from tppo_jax.learner.optim import make_optimizer
     from tppo_jax.parallel.mesh import make_mesh
     from tppo_jax.plan import plan_memory
-    from tppo_jax.train.step import make_optimizer
 
     cfg = load_config("smoke", ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"])
     mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, devices8)

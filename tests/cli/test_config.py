@@ -96,3 +96,27 @@ def test_cli_config_error_is_one_line():
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0
     assert "rollout.windw" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("algo.detach_prefix=true", "algo.detach_prefix was removed"),
+    ("algo.policy_trains=response", "algo.policy_trains was removed"),
+    ("algo.kl_estimator=exact", "algo.kl_estimator was removed"),
+    ("reward.process=per_step", "reward.process was removed"),
+])
+def test_a_removed_key_set_to_a_new_value_is_refused_in_one_line(override, needle):
+    with pytest.raises(ConfigError, match=needle) as e:
+        load_config("smoke", [override])
+    assert "\n" not in str(e.value)
+
+
+def test_a_removed_key_at_its_old_default_reads_as_absent():
+    """A run dir's config.yaml written before the removal holds every key at its default."""
+    old = load_config("smoke", ["algo.detach_prefix=false", "algo.group_siblings=step",
+                                "reward.process=none", "reward.process_penalty=-0.5"])
+    assert old == load_config("smoke")
+
+
+def test_advantage_baseline_names_a_registered_estimator():
+    with pytest.raises(ConfigError, match="not a registered estimator; one of .*critic.*group"):
+        validate(load_config("smoke", ["algo.advantage_baseline=grpo"]))

@@ -17,7 +17,7 @@ CASES = [
     (2, 13, 13, 4, 2, 8, 4, (10, 13)),    # right padding, uneven last block
     (3, 16, 16, 6, 2, 8, 5, (16, 1, 0)),  # GQA 3:1, one real key, an all-padding row
     (1, 9, 9, 2, 2, 16, 16, None),        # one block larger than the sequence
-    (2, 7, 19, 4, 1, 8, 6, (19, 15)),     # queries 12..18 of 19 keys (grad_from's suffix)
+    (2, 7, 19, 4, 1, 8, 6, (19, 15)),     # queries 12..18 of 19 keys (a continuation)
 ]
 
 
@@ -124,8 +124,7 @@ def test_cudnn_refuses_what_it_cannot_run_in_one_line():
         attention(q, k, v, mask, "cudnn")
 
 
-@pytest.mark.parametrize("grad_from", [0, 5])
-def test_model_forward_with_chunked_attention_equals_dense(grad_from):
+def test_model_forward_with_chunked_attention_equals_dense():
     cfg = ModelConfig.tiny(num_layers=1, hidden_size=32, intermediate_size=64, head_dim=8,
                            attention="dense")
     dense_model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -134,7 +133,7 @@ def test_model_forward_with_chunked_attention_equals_dense(grad_from):
     am = (jnp.arange(12)[None] < jnp.array([[9], [12]])).astype(jnp.int32)
 
     def loss(model):
-        h = model.hidden_states(tokens, attention_mask=am, grad_from=grad_from)
+        h = model.hidden_states(tokens, attention_mask=am)
         return jnp.sum(jnp.sin(h) * am[..., None])
 
     l_d, g_d = nnx.jit(nnx.value_and_grad(loss))(dense_model)

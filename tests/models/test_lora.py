@@ -11,9 +11,11 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from oracles import batch_and_targets, learner_with, update
 
 from tppo_jax.config import AlgoConfig, ConfigError, OptimConfig, load_config
 from tppo_jax.config_checks import LORA_TARGETS, parse_lora_targets
+from tppo_jax.learner import LearnerConfig, RowPlan, TrainState, commit_to_mesh
 from tppo_jax.models.hf import from_pretrained, save_peft_adapter, save_pretrained
 from tppo_jax.models.lora import (
     LoraSpec,
@@ -27,10 +29,7 @@ from tppo_jax.models.lora import (
 from tppo_jax.models.transformer import PROJECTIONS, ModelConfig, Transformer, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel.mesh import make_mesh
-from tppo_jax.train.state import commit_to_mesh
-from tppo_jax.train.step import StepConfig
 from tppo_jax.train.trainable import VALUE_HEAD
-from tppo_jax.train.update import make_updater
 
 ALL = LoraSpec(rank=4, alpha=8.0, targets=LORA_TARGETS)
 
@@ -180,18 +179,22 @@ def test_adapters_are_placed_like_their_base_on_a_mesh(devices8):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _batch(rows: int, width: int) -> dict:
+def _batch(rows: int, width: int):
     rng = np.random.default_rng(0)
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    return {"tokens": jnp.asarray(rng.integers(2, 30, (rows, width)), jnp.int32),
-            "attn": jnp.ones((rows, width), bool),
-            "sample_logprobs": f(-rng.random((rows, width)) * 3),
-            "advantages": f(rng.normal(size=(rows, width))),
-            "policy_mask": f(rng.random((rows, width)) < 0.8).at[:, 0].set(0.0),
-            "positive_mask": f(rng.random((rows, width)) < 0.3),
-            "values_old": f(rng.normal(size=(rows, width))),
-            "returns": f(rng.normal(size=(rows, width))),
-            "value_mask": f(rng.random((rows, width)) < 0.8)}
+    return batch_and_targets({
+        "tokens": jnp.asarray(rng.integers(2, 30, (rows, width)), jnp.int32),
+        "attn": jnp.ones((rows, width), bool),
+        "sample_logprobs": f(-rng.random((rows, width)) * 3),
+        "advantages": f(rng.normal(size=(rows, width))),
+        "policy_mask": f(rng.random((rows, width)) < 0.8).at[:, 0].set(0.0),
+        "positive_mask": f(rng.random((rows, width)) < 0.3),
+        "values_old": f(rng.normal(size=(rows, width))),
+        "returns": f(rng.normal(size=(rows, width))),
+        "value_mask": f(rng.random((rows, width)) < 0.8)})
+
+
+ALL_ROWS = RowPlan(np.full(4, 16), None, np.arange(4))  # _batch(4, 16): every row, full width
 
 
 @pytest.mark.parametrize("kl_coef", [0.0, 0.5])
@@ -199,10 +202,10 @@ def _batch(rows: int, width: int) -> dict:
 def test_policy_update_trains_only_the_adapters(kl_coef):
     graphdef, state = nnx.split(add_lora(tiny(), ALL, seed=0))
     params = nnx.to_pure_dict(state)
-    cfg = StepConfig(algo=AlgoConfig(kl_coef=kl_coef), optim=OptimConfig(minibatches=1),
-                     window=8, temperature=1.0)
+    cfg = LearnerConfig(algo=AlgoConfig(kl_coef=kl_coef), optim=OptimConfig(minibatches=1),
+                        window=8, temperature=1.0)
     tx = optax.adam(1e-3)
-    upd = make_updater("policy", graphdef, tx=tx, cfg=cfg, trainable=())
+    learner = learner_with(graphdef, None, cfg, tx_policy=tx, trainable=((), None))
     adapters, base = split_trainable(params)
     opt = tx.init(adapters)
     for moment in ("mu", "nu"):  # AdamW states of the adapters' shapes, nothing else
@@ -210,8 +213,8 @@ def test_policy_update_trains_only_the_adapters(kl_coef):
     assert sum(x.size for x in jax.tree.leaves(opt)) == 2 * sum(
         x.size for x in jax.tree.leaves(adapters)) + 1  # + the step count
     start = jax.device_get(params)
-    new, opt, stats = upd(jax.tree.map(jnp.array, params), opt, _batch(4, 16),
-                          lengths=np.full(4, 16))  # no ref: the base is the reference
+    new, opt, stats = update(learner, "policy", jax.tree.map(jnp.array, params), opt,
+                             *_batch(4, 16), ALL_ROWS)  # no ref: the base is the reference
     new_adapters, new_base = split_trainable(jax.device_get(new))
     for a, b in zip(jax.tree.leaves(new_base), jax.tree.leaves(split_trainable(start)[1]),
                     strict=True):
@@ -231,14 +234,14 @@ def test_value_update_trains_adapters_and_head():
     graphdef, state = nnx.split(add_lora(ValueModel(ModelConfig.tiny(vocab_size=32),
                                                     rngs=nnx.Rngs(0)), ALL))
     params = nnx.to_pure_dict(state)
-    cfg = StepConfig(algo=AlgoConfig(), optim=OptimConfig(minibatches=1), window=8,
-                     temperature=1.0)
+    cfg = LearnerConfig(algo=AlgoConfig(), optim=OptimConfig(minibatches=1), window=8,
+                        temperature=1.0)
     tx = optax.adamw(1e-3)
-    upd = make_updater("value", graphdef, tx=tx, cfg=cfg, trainable=VALUE_HEAD)
+    learner = learner_with(None, graphdef, cfg, tx_value=tx, trainable=(None, VALUE_HEAD))
     start = jax.device_get(params)
-    new, _, _ = upd(jax.tree.map(jnp.array, params),
-                    tx.init(split_trainable(params, VALUE_HEAD)[0]), _batch(4, 16),
-                    lengths=np.full(4, 16))
+    new, _, _ = update(learner, "value", jax.tree.map(jnp.array, params),
+                       tx.init(split_trainable(params, VALUE_HEAD)[0]), *_batch(4, 16),
+                       ALL_ROWS)
     new = jax.device_get(new)
     assert not np.array_equal(new["head"], start["head"])
     np.testing.assert_array_equal(new["backbone"]["embed"], start["backbone"]["embed"])
@@ -252,19 +255,20 @@ def test_policy_update_on_a_mesh_matches_the_unsharded_one(devices8):
     model = moved(add_lora(tiny(), ALL, seed=4), by=0.01)  # B != 0: A gets gradients too
     graphdef, state = nnx.split(model)
     params = nnx.to_pure_dict(state)
-    cfg = StepConfig(algo=AlgoConfig(kl_coef=0.5), optim=OptimConfig(minibatches=1),
-                     window=8, temperature=1.0)
+    cfg = LearnerConfig(algo=AlgoConfig(kl_coef=0.5), optim=OptimConfig(minibatches=1),
+                        window=8, temperature=1.0)
     tx = optax.adam(1e-3)
     batch = _batch(4, 16)
-    plain, _, _ = make_updater("policy", graphdef, tx=tx, cfg=cfg, trainable=())(
-        jax.tree.map(jnp.array, params), tx.init(split_trainable(params)[0]), batch,
-        lengths=np.full(4, 16))
+    plain, _, _ = update(learner_with(graphdef, None, cfg, tx_policy=tx, trainable=((), None)),
+                         "policy", jax.tree.map(jnp.array, params),
+                         tx.init(split_trainable(params)[0]), *batch, ALL_ROWS)
     shard_model(model, mesh)
     placed = nnx.to_pure_dict(nnx.state(model))
     opt = commit_to_mesh(tx.init(split_trainable(placed)[0]), mesh)  # as train/setup.py
-    upd = make_updater("policy", graphdef, tx=tx, cfg=cfg, mesh=mesh, params=placed,
-                       opt_state=opt, trainable=())
-    new, _, _ = upd(placed, opt, batch, lengths=np.full(4, 16))
+    state = TrainState(placed, None, opt, None)  # no critic: only the policy updates
+    learner = learner_with(graphdef, None, cfg, tx_policy=tx, mesh=mesh, state=state,
+                           trainable=((), None))
+    new, _, _ = update(learner, "policy", placed, opt, *batch, ALL_ROWS)
     q = new["backbone"]["layers"]["attn"]["lora"]["q"]
     assert q["b"].sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor", None)
     assert new["backbone"]["embed"] is placed["backbone"]["embed"]  # the base passes through

@@ -130,7 +130,7 @@ def test_remat_gives_same_gradients():
 
 def test_scanned_layers_equal_a_python_loop_over_the_layers_and_unroll():
     """The layer scan computes what applying each layer's slice in turn computes (logits,
-    the grad_from split, a cached prefill), with remat too; ``unroll_layers`` gives the same
+    a cached prefill), with remat too; ``unroll_layers`` gives the same
     numbers with no loop in the program, and gradients agree to rounding (the scan's backward
     sums bias gradients in another order: ~1 ulp)."""
     from tppo_jax.kernels.attention import CausalMask
@@ -154,7 +154,7 @@ def test_scanned_layers_equal_a_python_loop_over_the_layers_and_unroll():
     assert np.abs(np.asarray(cache.k[cfg.num_layers - 1])).max() > 0  # every layer wrote
 
     def loss(m):
-        return jnp.mean(m.hidden_states(tok, grad_from=3).astype(jnp.float32) ** 2)
+        return jnp.mean(m.hidden_states(tok).astype(jnp.float32) ** 2)
 
     grads, texts = [], []
     for unroll in (False, True):

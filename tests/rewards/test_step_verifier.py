@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.rewards.expr_parser import Uncheckable, parse_side
-from tppo_jax.rewards.process import char_to_token_index, step_token_ends
 from tppo_jax.rewards.step_verifier import extract_claims, iter_steps, verify_solution
 
 
@@ -191,36 +190,3 @@ def test_teacher_wrong_step_flagged_at_that_step() -> None:
         assert rep.num_invalid == 1 and rep.steps[-1].verdict == "valid"
     clean = task.teacher_records(100, wrong_step_frac=0.0, no_format_frac=0.0)
     assert all(verify_solution(r.text.split("\nA: ", 1)[1]).all_valid for r in clean)
-
-
-# -------------------------------------------------------------------------- token alignment
-class PieceTokenizer:
-    """Fixed-width pieces (3 chars), decode = concatenation: tokens and chars do not align."""
-
-    def __init__(self, width: int = 3) -> None:
-        self.width = width
-        self.vocab: list[str] = []
-
-    def encode(self, text: str) -> list[int]:
-        ids = []
-        for i in range(0, len(text), self.width):
-            piece = text[i:i + self.width]
-            if piece not in self.vocab:
-                self.vocab.append(piece)
-            ids.append(self.vocab.index(piece))
-        return ids
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(self.vocab[i] for i in ids)
-
-
-def test_char_to_token_index_and_step_ends() -> None:
-    tok = PieceTokenizer()
-    text = "12 + 7 = 19\n19 * 2 = 36\n\\boxed{36}"
-    for pos in range(len(text)):
-        assert char_to_token_index(text, pos, tok) == pos // 3
-    assert char_to_token_index(text, 10_000, tok) == len(tok.encode(text)) - 1
-    rep = verify_solution(text)
-    ends = step_token_ends(rep, text, tok)
-    assert ends == [(s.char_end - 1) // 3 for s in rep.steps]
-    assert ends == [3, 7, 11]

@@ -78,8 +78,7 @@ def test_reprefill_matches_full_forward_and_keep_does_not():
     """After a weight change, `reprefill` log-probs equal the new policy's full-sequence
     (teacher-forced) log-probs of the same tokens; `keep` reads a stale cache and does not."""
     import jax.numpy as jnp
-
-    from tppo_jax.train.step import policy_token_logprobs
+    from oracles import policy_token_logprobs
 
     gaps = {}
     for kv in ("keep", "reprefill"):
@@ -150,8 +149,7 @@ def test_paged_equals_dense_and_short_pool_admits_fewer():
     short pool, continuations keep going, fewer prompts are admitted, and what is decoded
     still matches the policy's full forward (no live page was overwritten)."""
     import jax.numpy as jnp
-
-    from tppo_jax.train.step import policy_token_logprobs
+    from oracles import policy_token_logprobs
 
     dense, paged = _scheduler(window=8), _scheduler(window=8, cache="paged")
     for _ in range(4):

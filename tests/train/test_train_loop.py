@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tppo_jax.learner import Targets, TrainState
 from tppo_jax.train.checkpoint import ITEMS
 from tppo_jax.train.loop import TrainHooks, nan_updates_from
-from tppo_jax.train.state import TrainState
 
 
 def test_train_state_is_a_pytree_with_static_step():
@@ -28,9 +28,13 @@ def test_train_state_is_a_pytree_with_static_step():
 
 def test_nan_hook_poisons_updates_from_the_given_step():
     hook = nan_updates_from(2).before_update
-    batch = {"advantages": jnp.ones(4), "returns": jnp.ones(4), "tokens": jnp.ones(4)}
-    assert hook(0, batch) is batch  # step 1: untouched
-    out = hook(1, batch)  # step 2 (0-based 1) on: NaN advantages and returns only
-    assert np.isnan(out["advantages"]).all() and np.isnan(out["returns"]).all()
-    assert np.isfinite(out["tokens"]).all() and np.isfinite(batch["advantages"]).all()
+    ones = jnp.ones((2, 4))
+    targets = Targets(advantages=ones, policy_mask=ones, returns=ones, value_mask=ones,
+                      positive_mask=ones, values_old=ones, lam=jnp.ones(2))
+    assert hook(0, targets) is targets  # step 1: untouched
+    out = hook(1, targets)  # step 2 (0-based 1) on: NaN advantages and returns only
+    assert np.isnan(out.advantages).all() and np.isnan(out.returns).all()
+    assert all(np.isfinite(x).all() for x in (out.policy_mask, out.value_mask,
+                                              out.positive_mask, out.values_old, out.lam))
+    assert np.isfinite(targets.advantages).all()
     assert TrainHooks().before_update is None

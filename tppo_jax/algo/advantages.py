@@ -231,20 +231,15 @@ def advantage_mass(advantages: Array, mask: Array, finished: Array, correct: Arr
             "adv_right_neg_frac": mean((advantages < 0).astype(jnp.float32), right)}
 
 
-def group_baseline(reward: Array, group: Array, finished: Array,
-                   prior_sum: Array | None = None, prior_n: Array | None = None
-                   ) -> tuple[Array, Array]:
+def group_baseline(reward: Array, group: Array, finished: Array) -> tuple[Array, Array]:
     """Leave-one-out baseline over a prompt's samples: for each row, the mean reward of the
-    *other* finished rows of its group in the batch, and of its siblings graded in earlier
-    steps when given (GRPO/RLOO's baseline, unbiased: the siblings' rewards do not depend
-    on the row's own actions).
+    *other* finished rows of its group in the batch (GRPO/RLOO's baseline, unbiased: the
+    siblings' rewards do not depend on the row's own actions).
 
     Args:
       reward: ``[B]`` outcome rewards (meaningful on finished rows).
       group: ``[B]`` int group ids (the G samples of one prompt share one).
       finished: ``[B]`` bool.
-      prior_sum, prior_n: ``[B]`` reward sum and count of each row's siblings graded in
-        earlier steps (``algo.group_siblings: so_far``); None: none.
     Returns:
       ``(baseline [B] float32, has [B] bool)``; ``has`` is False where the row has no such
       sibling (the baseline then reads 0).
@@ -253,22 +248,16 @@ def group_baseline(reward: Array, group: Array, finished: Array,
     same = (group[:, None] == group[None, :]) & finished[None, :] & ~jnp.eye(b, dtype=bool)
     n = same.sum(axis=1).astype(jnp.float32)
     total = (same * reward.astype(jnp.float32)[None, :]).sum(axis=1)
-    if prior_n is not None:
-        n, total = n + prior_n, total + prior_sum
     return total / jnp.maximum(n, 1.0), n > 0
 
 
-def group_baseline_frac(group: Array, finished: Array, prior_n: Array | None = None
-                        ) -> Array:
-    """The fraction of finished rows with a sibling to compare with (finished in the batch,
-    or graded earlier: ``prior_n [B]``): those whose advantage ``algo.advantage_baseline:
-    group`` takes from their group (the others fall back to EGAE on the critic). Under
-    T-PPO a prompt's samples finish in different steps, so with same-step siblings only
-    this is below 1 where PPO's is 1. ``group, finished: [B]`` -> scalar (0: none
+def group_baseline_frac(group: Array, finished: Array) -> Array:
+    """The fraction of finished rows with a sibling that finished in the same step: those
+    whose advantage ``algo.advantage_baseline: group`` takes from their group (the others
+    fall back to EGAE on the critic). Under T-PPO a prompt's samples finish in different
+    steps, so this is below 1 where PPO's is 1. ``group, finished: [B]`` -> scalar (0: none
     finished)."""
-    zeros = jnp.zeros(group.shape, jnp.float32)
-    _, has = group_baseline(zeros, group, finished, None if prior_n is None else zeros,
-                            prior_n)
+    _, has = group_baseline(jnp.zeros(group.shape, jnp.float32), group, finished)
     f = finished.astype(jnp.float32)
     return (has * f).sum() / jnp.maximum(f.sum(), 1.0)
 

@@ -136,73 +136,87 @@ def decode_section(model, cfg, args) -> dict:
             "weight_bytes": weights, "xla": proxies}
 
 
-def compile_train_step(model, kind: str, batch_size: int, seq: int):
-    """One optimizer step of the policy or value update of ``model`` (the whole batch one
-    minibatch and one row group: gradient, then the guarded AdamW step) compiled for a
-    random batch: ``(compiled, (params, opt_state, batch), n_params)``; the call donates
-    params/opt."""
-    from functools import partial
-
-    import jax
+def learner_for(policy, value, batch_size: int, seq: int):
+    """A ``Learner`` over ``policy`` and ``value`` (one minibatch, one epoch), its
+    ``TrainState`` and a random batch of ``batch_size`` finished rows of ``seq`` tokens
+    (a one-token prompt): ``(learner, state, batch, rows)``."""
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    from tppo_jax.benchmarks import xla_cost
     from tppo_jax.config import AlgoConfig, OptimConfig
-    from tppo_jax.train.step import (
-        StepConfig,
-        make_optimizer,
-        policy_group_loss,
-        value_group_loss,
-    )
-    from tppo_jax.train.update import apply_step, group_grads, minibatch_denoms, row_counts
+    from tppo_jax.learner import Learner, LearnerConfig, RowPlan, TrainBatch, TrainState
 
-    gd, params = nnx.graphdef(model), nnx.to_pure_dict(nnx.state(model))
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    optim = OptimConfig(warmup_steps=1, minibatches=1)
-    tx = make_optimizer(1e-5, optim)
-    scfg = StepConfig(algo=AlgoConfig(), optim=optim, window=seq, temperature=1.0)
+    (pdef, p), (vdef, v) = nnx.split(policy), nnx.split(value)
+    p, v = nnx.to_pure_dict(p), nnx.to_pure_dict(v)
+    cfg = LearnerConfig(AlgoConfig(), OptimConfig(warmup_steps=1, minibatches=1), window=seq,
+                        temperature=1.0)
+    learner = Learner(pdef, vdef, cfg)
+    state = TrainState(p, v, learner.tx_policy.init(p), learner.tx_value.init(v))
     rng = np.random.default_rng(1)
-    ones = jnp.ones((batch_size, seq))
-    batch = {"tokens": jnp.asarray(rng.integers(4, model.config.vocab_size, (batch_size, seq)),
-                                   jnp.int32), "attn": jnp.ones((batch_size, seq), bool)}
-    if kind == "policy":
-        loss = policy_group_loss
-        batch |= {"sample_logprobs": -2.0 * ones, "advantages": ones, "policy_mask": ones,
-                  "positive_mask": 0.0 * ones}
-    else:
-        loss = value_group_loss
-        batch |= {"values_old": 0.0 * ones, "returns": ones, "value_mask": ones}
-
-    @partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt, batch):
-        d = minibatch_denoms(row_counts(batch, kind=kind), jnp.ones((batch_size,)))
-        stats, grads = group_grads(partial(loss, gd, cfg=scfg), params, batch, d)
-        return apply_step(params, opt, grads, stats, d, tx=tx, kind=kind)
-
-    opt = tx.init(params)
-    compiled = xla_cost.compile_fn(step, (params, opt, batch))
-    return compiled, (params, opt, batch), n_params
+    b = batch_size
+    ones = lambda dt: jnp.ones((b,), dt)  # noqa: E731
+    batch = TrainBatch(
+        tokens=jnp.asarray(rng.integers(4, policy.config.vocab_size, (b, seq)), jnp.int32),
+        attn=jnp.ones((b, seq), bool), sample_logprobs=jnp.full((b, seq), -2.0),
+        prompt_len=ones(jnp.int32), window_start=ones(jnp.int32),
+        window_len=jnp.full((b,), seq - 1, jnp.int32), finished=ones(bool),
+        reward=ones(jnp.float32), correct=jnp.zeros((b,), bool))
+    rows = RowPlan(np.full(b, seq), None, np.arange(b))
+    return learner, state, batch, rows
 
 
-def train_section(model, kind: str, args) -> dict:
-    """Compiles, analyses and times one policy or value optimizer step."""
+def compile_train_step(policy, value, kind: str, batch_size: int, seq: int):
+    """The learner's row-group gradient of the policy or the critic over the whole batch as
+    one group, compiled: ``(compiled, n_params)`` of that model, for XLA's cost analysis of a
+    training step's dominant program (the targets pass runs once to make its inputs)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tppo_jax.learner.batch import row_counts
+    from tppo_jax.learner.learner import ROWS, minibatch_denoms
+
+    learner, state, batch, rows = learner_for(policy, value, batch_size, seq)
+    targets = learner.targets(state.value, batch, rows.lengths)
+    upd = learner.policy if kind == "policy" else learner.value
+    params = state.policy if kind == "policy" else state.value
+    idx = jnp.arange(batch_size)
+    mb = ROWS[kind].take(batch, targets, idx, jnp.ones((batch_size,), bool), width=seq)
+    denoms = minibatch_denoms(row_counts(targets, kind=kind), jnp.ones((batch_size,)))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    return upd.grads.lower(params, mb, denoms).compile(), n_params
+
+
+def train_section(policy, value, args) -> dict:
+    """``Learner.step`` timed on one batch (policy and critic updates, targets first), each
+    model's update alone, and XLA's cost analysis of each model's group gradient."""
     import jax
 
     from tppo_jax.benchmarks import xla_cost
 
     tb, tl = args.train_batch, args.train_len
-    compiled, (params, opt, batch), n_params = compile_train_step(model, kind, tb, tl)
-    out = {"batch": tb, "seq": tl, "params": n_params,
-           "xla": xla_cost.train_report(compiled, n_params=n_params, tokens=tb * tl)}
-    params, opt, _ = compiled(params, opt, batch)  # warm-up (params/opt are donated)
-    jax.block_until_ready(params)
-    t0 = time.perf_counter()
-    params, opt, _ = compiled(params, opt, batch)
-    jax.block_until_ready(params)
-    dt = time.perf_counter() - t0
-    out |= {"seconds": dt, "tokens_per_s": tb * tl / dt}
+    learner, state, batch, rows = learner_for(policy, value, tb, tl)
+    out: dict = {"batch": tb, "seq": tl}
+    for kind in ("policy", "value"):
+        compiled, n = compile_train_step(policy, value, kind, tb, tl)
+        out[kind] = {"params": n, "xla": xla_cost.train_report(compiled, n_params=n,
+                                                                tokens=tb * tl)}
+
+    def timed(fn):
+        nonlocal state
+        state, _ = fn(state)  # warm-up: compiles (params/opt are donated)
+        jax.block_until_ready(state.policy)
+        t0 = time.perf_counter()
+        state, _ = fn(state)
+        jax.block_until_ready((state.policy, state.value))
+        return time.perf_counter() - t0
+
+    out["step_seconds"] = timed(lambda st: learner.step(st, batch, rows))
+    value_s = timed(lambda st: learner.step(st, batch, rows, train_policy=False))
+    out["value"] |= {"seconds": value_s, "tokens_per_s": tb * tl / value_s}
+    policy_s = out["step_seconds"] - value_s  # the targets pass rides with the critic's
+    out["policy"] |= {"seconds": policy_s, "tokens_per_s": tb * tl / max(policy_s, 1e-9)}
     return out
 
 
@@ -231,9 +245,10 @@ def run(args: argparse.Namespace) -> dict:
     out["decode"] = decode_section(policy, cfg, args)
     out["params"] = out["decode"]["weight_bytes"] // jax.numpy.dtype(args.dtype).itemsize
     path.write_text(json.dumps(out, indent=2))
-    out["train_policy"] = train_section(policy, "policy", args)
-    path.write_text(json.dumps(out, indent=2))
-    out["train_value"] = train_section(ValueModel(cfg, rngs=nnx.Rngs(1)), "value", args)
+    train = train_section(policy, ValueModel(cfg, rngs=nnx.Rngs(1)), args)
+    out["train_step_seconds"] = train["step_seconds"]
+    out["train_policy"] = {"batch": train["batch"], "seq": train["seq"], **train["policy"]}
+    out["train_value"] = {"batch": train["batch"], "seq": train["seq"], **train["value"]}
     path.write_text(json.dumps(out, indent=2))
     peaks = _peaks(kind)
     if peaks:

@@ -7,8 +7,7 @@ from collections.abc import Callable
 
 BENCHMARKS = {"tppo-vs-ppo": "tppo_vs_ppo", "decode": "decode", "intensity": "intensity",
               "accelerator": "accelerator", "cost-model": "cost_model",
-              "prefill-width": "prefill_width", "update-groups": "update_groups",
-              "update-split": "update_split", "learning": "learning",
+              "prefill-width": "prefill_width", "learning": "learning",
               "lora-export": "lora_export"}
 
 

@@ -72,14 +72,6 @@ class CausalMask:
         valid = None if attention_mask is None else attention_mask.astype(bool)
         return cls(kv_valid=valid, q_offset=q_offset)
 
-    def prefix(self, p: int) -> CausalMask:
-        """The mask of the first ``p`` queries over the first ``p`` keys (``q_offset == 0``)."""
-        return self.replace(kv_valid=None if self.kv_valid is None else self.kv_valid[:, :p])
-
-    def suffix(self, p: int) -> CausalMask:
-        """The mask of the queries from ``p`` on, over the same keys."""
-        return self.replace(q_offset=self.q_offset + p)
-
     def dense(self, b: int, t: int, s: int) -> jax.Array:
         """``[B, T, S]`` bool, True where query ``t`` may attend to key ``s``."""
         q_pos = self.q_offset + jnp.arange(t)[:, None]

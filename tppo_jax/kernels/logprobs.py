@@ -65,51 +65,6 @@ def token_logprobs(
     return logp, ent
 
 
-def _chunk_kl(h: jax.Array, w: jax.Array, h_ref: jax.Array, w_ref: jax.Array,
-              inv_temp: float) -> jax.Array:
-    """``h, h_ref [B, C, H]``, ``w, w_ref [H, V]`` -> ``KL(p || p_ref)`` per position ``[B, C]``."""
-    logp = jax.nn.log_softmax(
-        jnp.einsum("bch,hv->bcv", h, w, preferred_element_type=jnp.float32) * inv_temp, -1)
-    logq = jax.nn.log_softmax(
-        jnp.einsum("bch,hv->bcv", h_ref, w_ref, preferred_element_type=jnp.float32) * inv_temp,
-        -1)
-    return jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
-
-
-def token_kl(
-    hidden: jax.Array,
-    lm_head_weight: jax.Array,
-    ref_hidden: jax.Array,
-    ref_lm_head_weight: jax.Array,
-    *,
-    chunk_size: int = 512,
-    temperature: float = 1.0,
-) -> jax.Array:
-    """Exact ``KL(p || p_ref)`` over the whole vocabulary at every position, chunked over T
-    like ``token_logprobs`` (no ``[B, T, V]`` buffer in either pass).
-
-    Args:
-      hidden / ref_hidden: ``[B, T, H]`` final-normed hidden states of the policy and the
-        reference (give the reference's under ``stop_gradient`` to train only the policy).
-      lm_head_weight / ref_lm_head_weight: ``[H, V]`` their output projections.
-      chunk_size, temperature: as in ``token_logprobs`` (both distributions at ``temperature``).
-
-    Returns:
-      ``[B, T]`` float32, >= 0 up to rounding.
-    """
-    b, t, h = hidden.shape
-    c = max(1, min(chunk_size, t))
-    n = -(-t // c)
-    pad = ((0, 0), (0, n * c - t), (0, 0))
-    hs = jnp.pad(hidden, pad).reshape(b, n, c, h).swapaxes(0, 1)
-    rs = jnp.pad(ref_hidden, pad).reshape(b, n, c, h).swapaxes(0, 1)
-    inv_temp = 1.0 / float(temperature)
-    body = jax.checkpoint(
-        lambda hc, rc: _chunk_kl(hc, lm_head_weight, rc, ref_lm_head_weight, inv_temp))
-    _, kl = jax.lax.scan(lambda carry, xs: (carry, body(*xs)), None, (hs, rs))
-    return kl.swapaxes(0, 1).reshape(b, n * c)[:, :t]
-
-
 def naive_token_logprobs(
     hidden: jax.Array, lm_head_weight: jax.Array, targets: jax.Array, *,
     temperature: float = 1.0,

@@ -236,19 +236,6 @@ class Attention(nnx.Module):
         out, cache = cache.update_and_attend(layer_idx, q, k, v, positions, valid)
         return project(self, "o", out), cache
 
-    def split(self, xp: jax.Array, xs: jax.Array, pos_p: jax.Array, pos_s: jax.Array,
-              mask_p: CausalMask, mask_s: CausalMask, inv_freq: jax.Array):
-        """``__call__`` over a prefix ``xp [B, P, H]`` and the suffix ``xs [B, T-P, H]`` after
-        it, the prefix's keys and values without gradient: ``(out_p, out_s)``.
-        ``mask_p`` over the P prefix keys, ``mask_s`` the suffix's (``q_offset`` P, T keys)."""
-        qp, kp, vp = self._qkv(xp, pos_p, inv_freq)
-        qs, ks, vs = self._qkv(xs, pos_s, inv_freq)
-        kp, vp = jax.lax.stop_gradient(kp), jax.lax.stop_gradient(vp)
-        out_p = attention(qp, kp, vp, mask_p, self.impl)
-        out_s = attention(qs, jnp.concatenate([kp, ks], 1), jnp.concatenate([vp, vs], 1),
-                          mask_s, self.impl)
-        return project(self, "o", out_p), project(self, "o", out_s)
-
 
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate x) * up x)``."""
@@ -285,15 +272,6 @@ class DecoderLayer(nnx.Module):
                                         layer_idx)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), cache
-
-    def split(self, xp, xs, pos_p, pos_s, mask_p, mask_s, inv_freq):
-        """The layer over a prefix that runs forward only (its outputs carry no gradient)
-        and the suffix after it, which attends to the prefix: ``(xp, xs)``."""
-        ap, a_s = self.attn.split(self.attn_norm(xp), self.attn_norm(xs), pos_p, pos_s,
-                                  mask_p, mask_s, inv_freq)
-        xp, xs = xp + ap, xs + a_s
-        xp = jax.lax.stop_gradient(xp + self.mlp(self.mlp_norm(xp)))
-        return xp, xs + self.mlp(self.mlp_norm(xs))
 
 
 def _default_positions(tokens: jax.Array) -> jax.Array:
@@ -354,42 +332,19 @@ class Backbone(nnx.Module):
         return carry
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None, grad_from: int = 0) -> jax.Array:
+                 attention_mask: jax.Array | None = None) -> jax.Array:
         """``tokens [B, T]`` -> final-normed hidden states ``[B, T, H]`` (config dtype).
 
         Attention is causal by index with padded keys (``attention_mask == 0``) masked out,
         i.e. right padding; ``positions`` default to ``0..T-1`` and only drive RoPE.
-
-        ``grad_from`` (static, ``0 <= P < T``): columns ``:P`` run forward only. Their hidden
-        states, keys and values carry no gradient, so the backward pass covers columns
-        ``P:`` alone; the values are those of the full pass. This is what T-PPO's policy
-        update needs for a continuation whose trained window starts after ``P``: the
-        earlier windows' columns cost a forward, not a forward and a backward.
         """
         positions = _default_positions(tokens) if positions is None else positions
         mask = CausalMask.from_attention_mask(attention_mask)
         inv_freq = rope_inv_freq(self.config)
         x = jnp.take(self.embed[...], tokens, axis=0)
-        if grad_from:
-            return self._split(x, positions, mask, inv_freq, grad_from)
         x = self.scan_layers(lambda layer, h, _: layer(h, positions, mask, inv_freq), x,
                              remat=self.config.remat)
         return self.final_norm(x)
-
-    def _split(self, x: jax.Array, positions: jax.Array, mask: CausalMask,
-               inv_freq: jax.Array, p: int) -> jax.Array:
-        """The layers over ``x [B, T, H]`` with columns ``:p`` forward only."""
-        if not 0 < p < x.shape[1]:
-            raise ValueError(f"grad_from={p} must be in [0, {x.shape[1]}) columns")
-        pos_p, pos_s, mask_p, mask_s = (positions[:, :p], positions[:, p:], mask.prefix(p),
-                                        mask.suffix(p))
-
-        def step(layer: DecoderLayer, c: tuple[jax.Array, jax.Array], _: jax.Array):
-            return layer.split(*c, pos_p, pos_s, mask_p, mask_s, inv_freq)
-
-        xp, xs = self.scan_layers(step, (jax.lax.stop_gradient(x[:, :p]), x[:, p:]),
-                                  remat=self.config.remat)
-        return self.final_norm(jnp.concatenate([xp, xs], axis=1))
 
     def with_cache(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
                    valid: jax.Array) -> tuple[jax.Array, KVCache]:
@@ -429,10 +384,9 @@ class Transformer(nnx.Module):
                           preferred_element_type=jnp.float32)
 
     def hidden_states(self, tokens: jax.Array, positions: jax.Array | None = None,
-                      attention_mask: jax.Array | None = None, grad_from: int = 0
-                      ) -> jax.Array:
+                      attention_mask: jax.Array | None = None) -> jax.Array:
         """Final-normed hidden states ``[B, T, H]``; see ``Backbone.__call__``."""
-        return self.backbone(tokens, positions, attention_mask, grad_from)
+        return self.backbone(tokens, positions, attention_mask)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None) -> jax.Array:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from tppo_jax.config import Config
-from tppo_jax.train.state import TrainState
+from tppo_jax.learner.state import TrainState
 from tppo_jax.train.trainable import rejoin, trainable_keys, trained_part
 
 # The checkpoint item readers take a run's policy from.

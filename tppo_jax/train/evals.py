@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 from tppo_jax.eval.diagnose import no_answer_warning
 from tppo_jax.eval.heldout import evaluate
 from tppo_jax.eval.protocol import run_protocol
+from tppo_jax.learner.state import TrainState
 from tppo_jax.train.ema import evaluated
 from tppo_jax.train.policy_view import policy_module
-from tppo_jax.train.state import TrainState
 
 if TYPE_CHECKING:
     from tppo_jax.train.setup import Run

@@ -28,16 +28,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-import jax
 from tqdm import tqdm
 
-from tppo_jax import algo
 from tppo_jax.config import Config, TrainConfig
+from tppo_jax.learner import Targets, TrainState
+from tppo_jax.learner.optim import scheduled_lrs
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.train.batch import critic_update, init_value_bias, update_batch
+from tppo_jax.train.batch import init_value_bias, learner_input
 from tppo_jax.train.collect import Rollout, collect
 from tppo_jax.train.ema import step_ema
 from tppo_jax.train.evals import eval_before, heldout_eval
@@ -45,14 +46,9 @@ from tppo_jax.train.policy_view import Reshard, timed_policy_module
 from tppo_jax.train.resume import checkpoint_meta, checkpoint_trees
 from tppo_jax.train.run_dir import mirror
 from tppo_jax.train.setup import Run, setup
-from tppo_jax.train.state import TrainState
-from tppo_jax.train.step import scheduled_lrs
-from tppo_jax.train.update import plan_cells
 from tppo_jax.train.value_pretrain import pretrain_value
 
 log = logging.getLogger(__name__)
-
-Batch = dict[str, jax.Array]
 
 
 class TrainingDiverged(RuntimeError):
@@ -63,20 +59,20 @@ class TrainingDiverged(RuntimeError):
 class TrainHooks:
     """Where a caller (a test, the CLI's fault injection) acts on a run.
 
-    before_update: ``(step, batch) -> batch`` the updates of 0-based ``step`` train on.
+    before_update: ``(step, targets) -> targets`` the updates of 0-based ``step`` train on.
     """
 
-    before_update: Callable[[int, Batch], Batch] | None = None
+    before_update: Callable[[int, Targets], Targets] | None = None
 
 
 def nan_updates_from(step: int) -> TrainHooks:
     """Fault injection: every update from (1-based) ``step`` on sees NaN advantages and
     returns (the reliability tests' divergence)."""
-    def poison(i: int, batch: Batch) -> Batch:
+    def poison(i: int, targets: Targets) -> Targets:
         if i + 1 < step:
-            return batch
-        return {**batch, "advantages": batch["advantages"] * float("nan"),
-                "returns": batch["returns"] * float("nan")}
+            return targets
+        return targets.replace(advantages=targets.advantages * float("nan"),
+                               returns=targets.returns * float("nan"))
 
     return TrainHooks(before_update=poison)
 
@@ -122,7 +118,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress: b
         skipped_in_a_row, preempted = 0, False
         last_eval = train_time  # training wall-clock at the last held-out eval
         stopper = stack.enter_context(_StopOnSignal())
-        watch = stack.enter_context(run.steps.watch)
+        watch = stack.enter_context(run.watch)
         for step in bar:
             watch.reset()  # held-out evals between steps are not step time
             roll = collect(run)
@@ -168,47 +164,25 @@ class Update:
     value_rows: int  # rows the critic trained on (0: none finished anywhere)
     policy_cells: int  # rows x columns the policy's forward passes ran over (0: none)
     value_cells: int  # the same for the critic
-    n_comp: int  # update-side compiles and their seconds
-    c_upd: float
+    n_compiles: int  # update-side compiles and their seconds
+    compile_s: float
     t_update: float
     skipped_in_a_row: int  # consecutive steps with a skipped (non-finite) update
     reshard: Reshard | None = None  # the policy's move to the decode layout (None: none)
 
 
-_advantage_mass = jax.jit(algo.advantage_mass)
-_group_baseline_frac = jax.jit(algo.group_baseline_frac)
-
-
 def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHooks,
            skipped_in_a_row: int) -> tuple[TrainState, Update]:
-    """Critic targets and advantages, then the policy and value updates (independent), then
-    the scheduler samples from the new policy and frees the finished rows' slots."""
-    cfg, rb, fns, sched = run.cfg, roll.rb, run.steps, run.sched
+    """``Learner.step`` on the rollout (targets, then the policy's and the critic's updates),
+    then the scheduler samples from the new policy and frees the finished rows' slots."""
+    cfg, rb, sched = run.cfg, roll.rb, run.sched
     if step == 0 and not cfg.algo.value_pretrain_steps:  # pretraining did it at its step 0
         state = dataclasses.replace(state, value=init_value_bias(run, state.value, roll))
-    train_batch, plan = update_batch(run, state.value, roll, step)
-    if hooks.before_update is not None:
-        train_batch = hooks.before_update(step, train_batch)
-    # Dispatched back to back: neither update waits for the other's result.
-    # Each minibatch runs as row groups cut to their own width bucket (update_plan).
-    width = int(train_batch["tokens"].shape[1])
-    policy, opt_p, pstats, cells = state.policy, state.policy_opt, {}, 0
-    # algo.policy_trains: response trains the finished rows only (none finished: no update)
-    p_rows = plan.policy_rows
-    if step >= cfg.algo.critic_warmup_steps and (p_rows is None or len(p_rows)):
-        p_plan = fns.policy.plan(plan.lengths, width, plan.shuffle, rows=p_rows,
-                                 train_start=plan.train_start)
-        policy, opt_p, pstats = fns.policy(policy, opt_p, train_batch, plan=p_plan,
-                                           ref=run.ref_policy)
-        cells = plan_cells(p_plan)
-    value, opt_v, vstats, v_cells = critic_update(run, state.value, state.value_opt,
-                                                  train_batch, plan)
-    adv = _advantage_mass(train_batch["advantages"], train_batch["policy_mask"],
-                          train_batch["finished"], train_batch["correct"])
-    if "group" in train_batch:  # algo.advantage_baseline: group
-        adv["group_baseline_frac"] = _group_baseline_frac(
-            train_batch["group"], train_batch["finished"], train_batch.get("group_prior_n"))
-    pstats, vstats, adv = mh.tree_to_host((pstats, vstats, adv))  # replicated scalars
+    batch, rows = learner_input(run, roll, step)
+    edit = None if hooks.before_update is None else partial(hooks.before_update, step)
+    state, out = run.learner.step(state, batch, rows, ref=run.ref_policy, edit_targets=edit,
+                                  train_policy=step >= cfg.algo.critic_warmup_steps)
+    pstats, vstats, adv = mh.tree_to_host((out.policy, out.value, out.advantages))
     vstats = {**vstats, **adv}
     skipped = float(pstats.get("policy_skipped", 0.0)) + float(vstats["value_skipped"])
     skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
@@ -217,41 +191,38 @@ def update(run: Run, state: TrainState, roll: Rollout, step: int, hooks: TrainHo
             f"step {step + 1}: non-finite loss or gradient in {skipped_in_a_row} "
             f"consecutive steps (updates skipped, params unchanged); last checkpoint: "
             f"step {run.ckpt.latest_step()} in {run.ckpt.directory}")
-    n_comp, c_upd = fns.watch.take()
+    n_compiles, compile_s = run.watch.take()
     t_update = time.time() - roll.t0 - roll.t_roll - roll.t_grade
-    nrows = len(plan.finished)
+    width, nrows = batch.shape[1], len(rows.finished)
     # After warm-up a function that has compiled should only meet known shapes (the row
     # groups' (rows, width) pairs are bounded, so new ones become rare).
-    late = [k for k, (n0, _) in fns.watch.new_shapes().items() if n0 and step > run.start + 2]
+    late = [k for k, (n0, _) in run.watch.new_shapes().items() if n0 and step > run.start + 2]
     if late:
         log.warning("step %d: %s compiled a new shape (batch width %d, critic rows %d); "
                     "shapes so far: %s", step + 1, ", ".join(late), width, nrows,
-                    fns.watch.sizes())
-    state = step_ema(dataclasses.replace(state, policy=policy, value=value, policy_opt=opt_p,
-                                         value_opt=opt_v, step=step + 1), cfg)
+                    run.watch.sizes())
+    state = step_ema(state, cfg)
     policy_view, moved = timed_policy_module(run, state)
     sched.set_policy(policy_view, step + 1)
-    if "group_prior_n" in train_batch:  # the siblings later steps' baselines read
-        sched.record_outcomes(rb.group_id, roll.reward, rb.finished)
     sched.release_finished(rb.finished)
-    return state, Update(pstats, vstats, width, nrows, cells, v_cells, n_comp, c_upd, t_update,
-                         skipped_in_a_row, moved)
+    return state, Update(pstats, vstats, width, nrows, out.policy_cells, out.value_cells,
+                         n_compiles, compile_s, t_update, skipped_in_a_row, moved)
 
 
 def log_step(run: Run, state: TrainState, roll: Rollout, upd: Update,
              train_time: float) -> dict[str, Any]:
     """Writes the step's metrics (host-local counts summed over hosts, then turned into
     means) and sample completions; returns the metrics row."""
-    rb, fin, pstats, vstats, watch = roll.rb, roll.fin, upd.pstats, upd.vstats, run.steps.watch
+    rb, fin, pstats, vstats, watch = roll.rb, roll.fin, upd.pstats, upd.vstats, run.watch
     resp_len = rb.total_len - rb.prompt_len
     tot = mh.sum_over_hosts({
         "fin": len(fin), "reward": roll.reward[fin].sum(), "correct": roll.correct[fin].sum(),
         "resp_len": resp_len[fin].sum(), "rows": run.sched.B, "tokens": rb.window_len.sum(),
-        "idle": roll.idle, "steps_valid": (roll.steps_valid or 0.0) * len(fin)})
+        "idle": roll.idle})
     top = mh.max_over_hosts({"resp_len": resp_len.max(), "window": rb.window_len.max()})
     counts = _merge_counts(mh.gather_json({k: int(v) for k, v in roll.counts.items()}))
     nfin = max(tot["fin"], 1.0)
-    c_roll, c_upd, t0 = roll.c_roll, upd.c_upd, roll.t0
+    c_roll, c_upd, t0 = roll.c_roll, upd.compile_s, roll.t0
     row = run.metrics.write(state.step, {
         "reward_mean": tot["reward"] / nfin,
         "accuracy": 100.0 * tot["correct"] / nfin,  # percent, as every accuracy
@@ -266,14 +237,12 @@ def log_step(run: Run, state: TrainState, roll: Rollout, upd: Update,
         **{k: float(v) for k, v in pstats.items() if k != "policy_loss"},
         **{k: float(v) for k, v in vstats.items() if k != "value_loss"},
         **{f"grade_{k}": v for k, v in counts.items()},
-        **({"steps_all_valid_frac": tot["steps_valid"] / nfin}
-           if roll.steps_valid is not None else {}),
         "tokens": int(tot["tokens"]),
         "idle_slots": int(tot["idle"]),
         # Compile seconds are split out of the phase they happened in.
         "time_rollout_s": roll.t_roll - c_roll, "time_grading_s": roll.t_grade,
         "time_update_s": upd.t_update - c_upd, "time_compile_s": c_roll + c_upd,
-        "compiles": roll.n_roll + upd.n_comp, "compiles_total": watch.total_count,
+        "compiles": roll.n_roll + upd.n_compiles, "compiles_total": watch.total_count,
         # What the updates ran on (the cost model's update tokens: rows x width).
         "update_width": upd.width,
         "value_rows": upd.value_rows,

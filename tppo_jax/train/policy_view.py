@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 from flax import nnx
 
+from tppo_jax.learner.state import TrainState
 from tppo_jax.parallel.mesh import reshard
-from tppo_jax.train.state import TrainState
 
 if TYPE_CHECKING:
     from tppo_jax.train.setup import Run

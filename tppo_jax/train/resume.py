@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from tppo_jax.config import ConfigError
+from tppo_jax.learner.state import TrainState
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.train.policy_view import policy_module
-from tppo_jax.train.state import TrainState
 from tppo_jax.train.trainable import saved_items, with_frozen
 
 if TYPE_CHECKING:

@@ -24,6 +24,14 @@ from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.data.readers import MathExample
 from tppo_jax.data.run_data import load_data, prompt_rows
 from tppo_jax.eval.heldout import EvalEngines
+from tppo_jax.learner import (
+    Learner,
+    LearnerConfig,
+    TrainState,
+    commit_to_mesh,
+    policy_optimizer,
+    value_optimizer,
+)
 from tppo_jax.models.lora import add_lora, lora_spec
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import param_shardings, shard_model
@@ -47,16 +55,12 @@ from tppo_jax.train.run_dir import (
     write_atomic,
 )
 from tppo_jax.train.shapes import CompileWatch, enable_compile_cache
-from tppo_jax.train.state import TrainState, commit_to_mesh
-from tppo_jax.train.step import StepConfig, make_optimizer
-from tppo_jax.train.targets import Targets, make_targets
 from tppo_jax.train.trainable import (
     share_base,
     shares_base,
     trainable_keys,
     trained_part,
 )
-from tppo_jax.train.update import Updater, make_updater
 from tppo_jax.train.wandb_log import wandb_settings
 from tppo_jax.train.warmstart import RUN_SUBDIR, run_warmstart
 
@@ -71,16 +75,6 @@ class Models:
     value_def: Any
     value: Any
     tokenizer_file: Path
-
-
-@dataclass
-class Steps:
-    """The jitted steps on the mesh and the compile watch over them."""
-
-    targets: Targets  # (value params, batch, lengths=) -> critic targets + advantages
-    policy: Updater  # (policy params, opt state, batch, ...) -> (params, opt state, stats)
-    value: Updater  # (value params, opt state, batch, ...) -> (params, opt state, stats)
-    watch: CompileWatch
 
 
 @dataclass
@@ -102,7 +96,8 @@ class Run:
     ckpt: Checkpointer
     progress: bool
     sched: TruncatedRolloutScheduler = field(init=False)
-    steps: Steps = field(init=False)
+    learner: Learner = field(init=False)
+    watch: CompileWatch = field(init=False)  # compiles of the learner's row-group programs
     grader: MathGrader = field(init=False)
     metrics: MetricsWriter = field(init=False)
     start: int = 0  # the step the run (re)starts from
@@ -161,9 +156,7 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
     run = Run(cfg, rd, mesh, dmesh, models, train_rows, eval_rows, encode, pipeline,
               SamplingParams(r.temperature, r.top_p, r.top_k), decode_shardings(cfg, models, dmesh),
               ckpt, progress)
-    tx_p = make_optimizer(cfg.optim.policy_lr, cfg.optim,
-                          decay_steps=cfg.optim.policy_lr_decay_steps)
-    tx_v = make_optimizer(cfg.optim.value_lr, cfg.optim, cfg.optim.critic_epochs)
+    tx_p, tx_v = policy_optimizer(cfg.optim), value_optimizer(cfg.optim)
     keep_p, keep_v = trainable_keys(cfg)  # LoRA: AdamW states for the adapters alone
     state = TrainState(models.policy, models.value,
                        commit_to_mesh(tx_p.init(trained_part(models.policy, keep_p)), mesh),
@@ -176,7 +169,9 @@ def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: 
     run.sched = make_scheduler(run, state)
     if resume:
         state = restore(run, state)
-    run.steps = build_steps(run, state, tx_p, tx_v)
+    run.learner = Learner(models.policy_def, models.value_def, LearnerConfig.from_config(cfg),
+                          mesh=mesh, state=state, trainable=(keep_p, keep_v))
+    run.watch = CompileWatch(run.learner.compiled_fns())
     run.grader = MathGrader.from_config(cfg.reward, cfg.data.format)
     stack.callback(run.grader.close)
     # Rows past the restored step are dropped (logged again); nothing restored: none are.
@@ -214,25 +209,6 @@ def make_scheduler(run: Run, state: TrainState, *, window: int | None = None,
         policy_module(run, state), prompts, run.encode, r, eos_ids=run.models.tokenizer.eos_ids,
         sampling=run.sampling, seed=run.cfg.train.seed if seed is None else seed,
         mesh=run.decode_mesh)
-
-
-def build_steps(run: Run, state: TrainState, tx_p: Any, tx_v: Any) -> Steps:
-    """The jitted steps, with the params' and optimizer states' shardings declared in and out
-    (``state``'s placement), and the compile watch over them."""
-    m, mesh = run.models, run.mesh
-    keep_p, keep_v = trainable_keys(run.cfg)
-    scfg = StepConfig.from_config(run.cfg)
-    targets_fn = make_targets(m.value_def, scfg, mesh=mesh, params=state.value)
-    policy_fn = make_updater("policy", m.policy_def, tx=tx_p, cfg=scfg, mesh=mesh,
-                             params=state.policy, opt_state=state.policy_opt,
-                             trainable=keep_p)
-    value_fn = make_updater("value", m.value_def, tx=tx_v, cfg=scfg, mesh=mesh,
-                            params=state.value, opt_state=state.value_opt, trainable=keep_v)
-    # The critic's forward and a gradient compile once per row-group shape (rows x width
-    # bucket); the rest once.
-    watch = CompileWatch({"rollout_targets": targets_fn.values, "policy_update": policy_fn.grads,
-                          "value_update": value_fn.grads})
-    return Steps(targets_fn, policy_fn, value_fn, watch)
 
 
 def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models:

@@ -37,11 +37,11 @@ from tqdm import tqdm
 
 from tppo_jax.config import Config
 from tppo_jax.data.pipeline import PromptPipeline
+from tppo_jax.learner.state import TrainState
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.train.batch import critic_update, init_value_bias, update_batch
+from tppo_jax.train.batch import init_value_bias, learner_input
 from tppo_jax.train.collect import collect
 from tppo_jax.train.setup import Run, make_scheduler
-from tppo_jax.train.state import TrainState
 from tppo_jax.train.trainable import (
     copy_trained,
     model_key,
@@ -134,9 +134,11 @@ def _pretrain(run: Run, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
         roll = collect(run, sched)
         if i == 0:
             value = init_value_bias(run, value, roll)
-        batch, plan = update_batch(run, value, roll, i + SEED_OFFSET)
-        value, opt, stats, _ = critic_update(run, value, opt, batch, plan)
-        stats = mh.tree_to_host(stats)
+        batch, rows = learner_input(run, roll, i + SEED_OFFSET)
+        critic_only = dataclasses.replace(state, value=value, value_opt=opt)
+        critic_only, out = run.learner.step(critic_only, batch, rows, train_policy=False)
+        value, opt = critic_only.value, critic_only.value_opt
+        stats = mh.tree_to_host(out.value)
         tot = mh.sum_over_hosts({"fin": len(roll.fin), "correct": roll.correct.sum()})
         row = {"step": i + 1, "explained_variance": float(stats.get("explained_variance", 0.0)),
                "value_loss": float(stats.get("value_loss", 0.0)),
@@ -146,7 +148,7 @@ def _pretrain(run: Run, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
         curve.append(row)
         bar.set_postfix(ev=f"{row['explained_variance']:.2f}")
         sched.release_finished(roll.rb.finished)
-    run.steps.watch.take()  # its compiles are not the first training step's
+    run.watch.take()  # its compiles are not the first training step's
     return value, curve
 
 

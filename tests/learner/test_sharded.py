@@ -3,21 +3,19 @@
 Layouts: fsdp=4 x tensor=2 (params sharded, batch over fsdp) and data=8 (pure data parallel).
 """
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from oracles import rollout_targets, update
 
 from tppo_jax.config import AlgoConfig, OptimConfig
+from tppo_jax.learner import Learner, LearnerConfig, RowPlan, TrainBatch, TrainState
+from tppo_jax.learner.optim import policy_optimizer, value_optimizer
 from tppo_jax.models.transformer import ModelConfig, create_model, param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel.mesh import batch_sharding, make_mesh
-from tppo_jax.train.step import StepConfig, make_optimizer, rollout_targets
-from tppo_jax.train.targets import make_targets
-from tppo_jax.train.update import make_updater
 
 B, P, W = 8, 4, 8
 S = P + W
@@ -29,14 +27,13 @@ def _batch(seed=0):
     tokens = rng.integers(4, 60, size=(B, S)).astype(np.int32)
     attn = np.arange(S)[None] < (P + wlen)[:, None]
     tokens = np.where(attn, tokens, 0)
-    return {
-        "tokens": tokens, "attn": attn, "prompt_len": np.full(B, P, np.int32),
-        "window_start": np.full(B, P, np.int32), "window_len": wlen.astype(np.int32),
-        "finished": rng.random(B) < 0.6, "reward": rng.integers(0, 2, B).astype(np.float32),
-        "sample_logprobs": np.where(attn, -rng.random((B, S)).astype(np.float32) * 3, 0.0),
-        "correct": rng.random(B) < 0.5,
-        "shuffle": rng.random((B, 1)).astype(np.float32),  # epoch order, sharded like a row
-    }
+    return TrainBatch(
+        tokens=tokens, attn=attn, prompt_len=np.full(B, P, np.int32),
+        window_start=np.full(B, P, np.int32), window_len=wlen.astype(np.int32),
+        finished=rng.random(B) < 0.6, reward=rng.integers(0, 2, B).astype(np.float32),
+        sample_logprobs=np.where(attn, -rng.random((B, S)).astype(np.float32) * 3, 0.0),
+        correct=rng.random(B) < 0.5,
+    ), rng.random((B, 1)).astype(np.float32)  # epoch order (RowPlan.shuffle)
 
 
 def _run(mesh):
@@ -49,35 +46,30 @@ def _run(mesh):
     pdef, pstate = nnx.split(policy)
     vdef, vstate = nnx.split(critic)
     pp, vp = nnx.to_pure_dict(pstate), nnx.to_pure_dict(vstate)
-    batch = {k: jnp.asarray(v) for k, v in _batch().items()}
+    batch, shuffle = _batch()
+    batch = jax.tree.map(jnp.asarray, batch)
     if mesh is not None:
-        batch = {k: jax.device_put(v, batch_sharding(mesh, v.ndim, v.shape))
-                 for k, v in batch.items()}
-    optim = OptimConfig(warmup_steps=1, minibatches=2)
-    scfg = StepConfig(algo=AlgoConfig(window_ignore_tokens=2), optim=optim, window=W,
-                      temperature=1.0)
-    tx_p, tx_v = make_optimizer(1e-3, optim), make_optimizer(1e-3, optim)
-    op, ov = tx_p.init(pp), tx_v.init(vp)
-    targets_fn = partial(rollout_targets, vdef, cfg=scfg)
-    pol_fn = make_updater("policy", pdef, tx=tx_p, cfg=scfg)
-    val_fn = make_updater("value", vdef, tx=tx_v, cfg=scfg)
-    if mesh is not None:  # the trainer's path: shardings declared in and out
-        targets_fn = make_targets(vdef, scfg, mesh=mesh, params=vp)
-        pol_fn = make_updater("policy", pdef, tx=tx_p, cfg=scfg, mesh=mesh, params=pp,
-                              opt_state=op)
-        val_fn = make_updater("value", vdef, tx=tx_v, cfg=scfg, mesh=mesh, params=vp,
-                              opt_state=ov)
-    placed = jax.tree.map(lambda x: x.sharding, (pp, vp))
-    targets = targets_fn(vp, batch)
-    full = {**batch, **targets}
-    lengths = np.asarray(jax.device_get(batch["attn"])).sum(1)
-    pp, _, pstats = pol_fn(pp, op, full, lengths=lengths)
+        batch = jax.tree.map(lambda v: jax.device_put(v, batch_sharding(mesh, v.ndim, v.shape)),
+                             batch)
+    optim = OptimConfig(warmup_steps=1, minibatches=2, policy_lr=1e-3, value_lr=1e-3)
+    cfg = LearnerConfig(algo=AlgoConfig(window_ignore_tokens=2), optim=optim, window=W,
+                        temperature=1.0)
+    op, ov = policy_optimizer(optim).init(pp), value_optimizer(optim).init(vp)
+    lengths = np.asarray(jax.device_get(batch.attn)).sum(1)
     # The critic on the finished rows only, gathered from the sharded batch.
-    rows = np.flatnonzero(np.asarray(jax.device_get(batch["finished"])))
-    vp, _, vstats = val_fn(vp, ov, full, lengths=lengths, rows=rows)
+    rows = RowPlan(lengths, shuffle, np.flatnonzero(np.asarray(jax.device_get(batch.finished))))
+    if mesh is None:
+        learner = Learner(pdef, vdef, cfg)
+        targets = rollout_targets(vdef, vp, batch, cfg)
+    else:  # the trainer's path: shardings declared in and out, row-grouped targets
+        learner = Learner(pdef, vdef, cfg, mesh=mesh, state=TrainState(pp, vp, op, ov))
+        targets = learner.targets(vp, batch, lengths)
+    placed = jax.tree.map(lambda x: x.sharding, (pp, vp))
+    pp, _, pstats = update(learner, "policy", pp, op, batch, targets, rows)
+    vp, _, vstats = update(learner, "value", vp, ov, batch, targets, rows)
     if mesh is not None:  # updated params come back exactly where they were
         assert jax.tree.map(lambda x: x.sharding, (pp, vp)) == placed
-    return jax.device_get((pp, vp, pstats, vstats, targets["advantages"])), pp
+    return jax.device_get((pp, vp, pstats, vstats, targets.advantages)), pp
 
 
 @pytest.mark.parametrize("shape", [{"fsdp": 4, "tensor": 2}, {"data": 8}])

@@ -1,5 +1,4 @@
-"""KL to the reference policy (``algo.kl_coef``): the k3 estimator by hand, the exact
-estimator against the full-vocabulary KL (and the mean of k3 over sampled tokens), a penalty whose
+"""KL to the reference policy (``algo.kl_coef``): the k3 estimator by hand, a penalty whose
 gradient is zero where the policy equals its reference (so the first update is unchanged),
 that pulls towards the reference once they differ, and a run whose reference is the policy
 RL started from, untouched by the updates and the same after a resume."""
@@ -14,13 +13,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from oracles import batch_and_targets, learner_with, update
 
 from tppo_jax import algo
 from tppo_jax.config import AlgoConfig, OptimConfig, load_config
+from tppo_jax.learner import LearnerConfig, RowPlan
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.train.setup import setup
-from tppo_jax.train.step import StepConfig
-from tppo_jax.train.update import make_updater
 
 
 def test_k3_hand_computed():
@@ -36,27 +35,6 @@ def test_k3_hand_computed():
     assert np.isfinite(float(far))
 
 
-def test_exact_kl_is_the_full_vocabulary_kl_chunked_or_not():
-    from tppo_jax.kernels.logprobs import token_kl
-
-    rng = np.random.default_rng(0)
-    h, r = (jnp.asarray(rng.normal(size=(2, 7, 5)), jnp.float32) for _ in range(2))
-    w, wr = (jnp.asarray(rng.normal(size=(5, 11)), jnp.float32) for _ in range(2))
-    for temp in (1.0, 0.7):
-        p = np.asarray(jax.nn.softmax(np.einsum("bth,hv->btv", h, w) / temp, -1), np.float64)
-        q = np.asarray(jax.nn.softmax(np.einsum("bth,hv->btv", r, wr) / temp, -1), np.float64)
-        want = np.sum(p * (np.log(p) - np.log(q)), -1)
-        for chunk in (3, 7, 64):  # a padded last chunk, one chunk, a chunk wider than T
-            got = token_kl(h, w, r, wr, chunk_size=chunk, temperature=temp)
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert float(jnp.max(jnp.abs(token_kl(h, w, h, w)))) < 1e-6
-    # k3 on tokens sampled from p is an unbiased estimate of the same number
-    logp, logq = np.log(p[0, 0]), np.log(q[0, 0])
-    draws = rng.choice(11, size=200_000, p=p[0, 0] / p[0, 0].sum())
-    d = logq[draws] - logp[draws]
-    assert np.mean(np.expm1(d) - d) == pytest.approx(float(want[0, 0]), rel=0.03)
-
-
 def _batch(rows: int, width: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     f = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
@@ -68,26 +46,25 @@ def _batch(rows: int, width: int, seed: int = 0) -> dict:
             "positive_mask": f(rng.random((rows, width)) < 0.3)}
 
 
-def _update(kl_coef, params, ref, graphdef, batch, estimator="k3"):
-    cfg = StepConfig(algo=AlgoConfig(kl_coef=kl_coef, kl_estimator=estimator),
-                     optim=OptimConfig(minibatches=1),
-                     window=8, temperature=1.0)
+def _update(kl_coef, params, ref, graphdef, batch):
+    cfg = LearnerConfig(algo=AlgoConfig(kl_coef=kl_coef), optim=OptimConfig(minibatches=1),
+                        window=8, temperature=1.0)
     tx = optax.sgd(1e-2)
-    upd = make_updater("policy", graphdef, tx=tx, cfg=cfg)
+    learner = learner_with(graphdef, None, cfg, tx_policy=tx)
     p = jax.tree.map(jnp.array, params)
-    new, _, stats = upd(p, tx.init(p), batch, lengths=np.full(4, 24),
-                        ref=None if ref is None else jax.tree.map(jnp.array, ref))
+    new, _, stats = update(learner, "policy", p, tx.init(p), *batch_and_targets(batch),
+                           rows=RowPlan(np.full(4, 24), None, np.arange(4)),
+                           ref=None if ref is None else jax.tree.map(jnp.array, ref))
     return jax.device_get(new), jax.device_get(stats)
 
 
-@pytest.mark.parametrize("estimator", ["k3", "exact"])
 @pytest.mark.slow  # ~28 s in one process on 2 shared cores
-def test_penalty_is_zero_at_the_reference_and_pulls_back_once_moved(estimator):
+def test_penalty_is_zero_at_the_reference_and_pulls_back_once_moved():
     graphdef, state = nnx.split(create_model(ModelConfig.tiny(vocab_size=32)))
     base = nnx.to_pure_dict(state)
     batch = _batch(4, 24)
     plain, s0 = _update(0.0, base, None, graphdef, batch)
-    same, s1 = _update(0.5, base, base, graphdef, batch, estimator)
+    same, s1 = _update(0.5, base, base, graphdef, batch)
     assert float(s1["kl_ref"]) == 0.0 and "kl_ref" not in s0
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(same), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)  # zero gradient at pi = ref
@@ -95,8 +72,8 @@ def test_penalty_is_zero_at_the_reference_and_pulls_back_once_moved(estimator):
     # step of the KL term alone brings the policy closer to the reference
     still = dict(batch, advantages=jnp.zeros_like(batch["advantages"]),
                  positive_mask=jnp.zeros_like(batch["positive_mask"]))
-    back, s2 = _update(1.0, plain, base, graphdef, still, estimator)
-    _, s3 = _update(1.0, back, base, graphdef, still, estimator)
+    back, s2 = _update(1.0, plain, base, graphdef, still)
+    _, s3 = _update(1.0, back, base, graphdef, still)
     assert 0.0 < float(s3["kl_ref"]) < float(s2["kl_ref"])
     with pytest.raises(ValueError, match="kl_coef"):
         _update(0.5, base, None, graphdef, batch)
@@ -108,8 +85,8 @@ SMALL = ["train.warmstart_steps=20", "logging.tensorboard=false", "train.compile
 
 @pytest.mark.slow  # ~59 s in one process on 2 shared cores
 def test_run_reference_is_the_starting_policy_and_survives_updates(tmp_path):
+    from tppo_jax.train import loop
     from tppo_jax.train.collect import collect
-    from tppo_jax.train.loop import TrainHooks, maybe_checkpoint, update
 
     cfg = load_config("smoke", [*SMALL, "train.steps=3", "algo.critic_warmup_steps=0"])
     with contextlib.ExitStack() as stack:
@@ -117,14 +94,14 @@ def test_run_reference_is_the_starting_policy_and_survives_updates(tmp_path):
         start = jax.device_get(state.policy)
         # A 20-step warm-start finishes no row, so every advantage whitens to 0: a constant
         # advantage on the trained tokens makes the policy move.
-        push = TrainHooks(before_update=lambda _, b: dict(
-            b, advantages=b["policy_mask"].astype(jnp.float32)))
+        push = loop.TrainHooks(before_update=lambda _, t: t.replace(
+            advantages=t.policy_mask.astype(jnp.float32)))
         kls = []
         for step in range(3):
-            state, upd = update(run, state, collect(run), step, push, 0)
+            state, upd = loop.update(run, state, collect(run), step, push, 0)
             kls.append(float(upd.pstats.get("kl_ref", -1.0)))
         assert kls[0] < 1e-5 < kls[-1], kls  # ~0 at the reference (fp noise); > 0 once moved
-        maybe_checkpoint(run, state, last=True)
+        loop.maybe_checkpoint(run, state, last=True)
         ref = jax.device_get(run.ref_policy)
         trained = jax.device_get(state.policy)
     same = [np.array_equal(a, b) for a, b in zip(jax.tree.leaves(ref),

@@ -1,0 +1,141 @@
+"""Advantage estimators (a registry, as tunix's) and the targets of one step.
+
+An estimator maps one step's current windows to the policy's advantages; ``compute_targets``
+picks the one ``algo.advantage_baseline`` names, then whitens and clips the advantages and
+adds the critic's Monte-Carlo returns and the masks. A new estimator is one function::
+
+    @register_estimator("my_baseline")
+    def my_baseline(w: Window, batch: TrainBatch, a: AlgoConfig) -> jax.Array:  # [B, W]
+        ...
+
+and ``algo.advantage_baseline: my_baseline`` selects it (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from tppo_jax import algo
+from tppo_jax.config import AlgoConfig
+from tppo_jax.learner.batch import Targets, TrainBatch
+
+Array = jax.Array
+
+
+class Window(NamedTuple):
+    """One step's current windows, gathered to ``W = rollout.window`` columns per row.
+
+    rewards, values, mask: ``[B, W]`` (token rewards, ``V(s_t)`` of the rollout-time critic,
+    1.0 on the window's tokens); lam: ``[B]`` the policy's GAE lambda per row.
+    """
+
+    rewards: Array
+    values: Array
+    mask: Array
+    lam: Array
+
+
+Estimator = Callable[[Window, TrainBatch, AlgoConfig], Array]
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
+    """Registers ``fn(window, batch, algo) -> advantages [B, W]`` under ``name`` (the value
+    of ``algo.advantage_baseline`` that selects it)."""
+    def add(fn: Estimator) -> Estimator:
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ESTIMATORS[name] = fn
+        return fn
+    return add
+
+
+@register_estimator("critic")
+def egae_estimator(w: Window, batch: TrainBatch, a: AlgoConfig) -> Array:
+    """EGAE on the critic's values: GAE over the window, an unfinished window bootstrapped
+    with ``V(s_l) := V(s_{l-1})`` (docs/algorithm.md section 2)."""
+    return algo.egae(w.rewards, w.values, w.mask, batch.finished, gamma=a.gamma, lam=w.lam)
+
+
+@register_estimator("group")
+def group_estimator(w: Window, batch: TrainBatch, a: AlgoConfig) -> Array:
+    """A finished row with a finished sibling in this step: its reward minus the siblings'
+    mean (leave-one-out, as RLOO/GRPO) on every window token; EGAE elsewhere (only the
+    critic can judge a window that has not ended). Reads ``batch.group``."""
+    base, has = algo.group_baseline(batch.reward, batch.group, batch.finished)
+    adv = egae_estimator(w, batch, a)
+    return jnp.where((batch.finished & has)[:, None],
+                     (batch.reward - base)[:, None] * w.mask, adv)
+
+
+def _gather_window(x: Array, start: Array, width: int) -> Array:
+    idx = jnp.clip(start[:, None] + jnp.arange(width)[None], 0, x.shape[1] - 1)
+    return jnp.take_along_axis(x, idx, axis=1)
+
+
+def _scatter_window(xw: Array, start: Array, length: int) -> Array:
+    b, w = xw.shape
+    idx = start[:, None] + jnp.arange(w)[None]
+    return jnp.zeros((b, length), xw.dtype).at[jnp.arange(b)[:, None], idx].set(xw, mode="drop")
+
+
+def outcome_rewards(batch: TrainBatch) -> Array:
+    """``[B, S]`` token rewards: a finished row's reward on its last token, 0 elsewhere."""
+    b, s = batch.shape
+    last = jnp.maximum(batch.window_start + batch.window_len - 1, 0)
+    return jnp.zeros((b, s), jnp.float32).at[jnp.arange(b), last].set(
+        jnp.where(batch.finished, batch.reward, 0.0))
+
+
+def policy_lambda(batch: TrainBatch, a: AlgoConfig, window: int) -> Array:
+    """``[B]`` the policy's GAE lambda: length-adaptive (VAPO) on the effective response
+    length, or ``algo.lam_policy``."""
+    if not a.length_adaptive:
+        return jnp.full(batch.finished.shape, a.lam_policy, jnp.float32)
+    resp_len = batch.window_start + batch.window_len - batch.prompt_len
+    return algo.length_adaptive_lambda(algo.effective_length(resp_len, batch.finished,
+                                                             window=window),
+                                       alpha=a.alpha, lam_min=a.lam_min)
+
+
+def compute_targets(values: Array, batch: TrainBatch, a: AlgoConfig, window: int) -> Targets:
+    """The policy's advantages on the current window (the registered estimator
+    ``algo.advantage_baseline``), whitened and clipped on the policy mask; the critic's
+    returns (MC, ``lam_critic = 1``) on every response token of finished rows; the masks.
+
+    Args:
+      values: ``[B, S]`` ``V(s_t)`` from the critic at rollout time.
+      batch: the rollout.
+      window: ``W``, the widest window (``rollout.window``, at most L).
+    """
+    b, s = batch.shape
+    start, wlen, fin = batch.window_start, batch.window_len, batch.finished
+    total = start + wlen
+    rewards = outcome_rewards(batch)
+    lam = policy_lambda(batch, a, window)
+    mask_w = (jnp.arange(window)[None] < wlen[:, None]).astype(jnp.float32)
+    w = Window(_gather_window(rewards, start, window), _gather_window(values, start, window),
+               mask_w, lam)
+    adv = _scatter_window(ESTIMATORS[a.advantage_baseline](w, batch, a), start, s)
+    pmask = algo.policy_mask(s, start, wlen, fin, ignore_last=a.window_ignore_tokens)
+    if a.whiten_advantages:
+        adv = algo.masked_whiten(adv, pmask, shift_mean=a.whiten_center)
+    if a.advantage_clip is not None:
+        adv = algo.masked_clip(adv, pmask, bound=a.advantage_clip)
+    adv = adv * pmask
+
+    rmask = algo.response_mask(s, batch.prompt_len, total)
+    if a.lam_critic == 1.0:
+        returns = algo.mc_returns(rewards, rmask, gamma=a.gamma)
+    else:  # decoupled-GAE ablation: lambda-returns A + V with lam_critic
+        returns = algo.gae(rewards, values, rmask, gamma=a.gamma, lam=a.lam_critic) + values
+    return Targets(
+        advantages=adv, policy_mask=pmask, returns=returns * rmask,
+        value_mask=algo.value_mask(s, batch.prompt_len, total, fin),
+        positive_mask=algo.positive_example_mask(s, batch.prompt_len, total, fin,
+                                                 batch.correct.astype(bool)),
+        values_old=values, lam=lam)

@@ -1,0 +1,108 @@
+"""The policy and value losses of one row group, from ``tppo_jax.algo``'s formulas.
+
+Each loss divides by the whole minibatch's counts (``denoms``), so a minibatch's loss and
+its mean stats are the sums over its row groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tppo_jax import algo
+from tppo_jax.config import AlgoConfig, Config, OptimConfig
+from tppo_jax.kernels.logprobs import token_logprobs
+from tppo_jax.learner.batch import PolicyRows, ValueRows
+
+Array = jax.Array
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    """The static (hashable) knobs the jitted programs close over."""
+
+    algo: AlgoConfig
+    optim: OptimConfig
+    window: int
+    temperature: float
+
+    @classmethod
+    def from_config(cls, cfg: Config, window: int | None = None) -> LearnerConfig:
+        """A run's learner knobs: its algo and optim sections, the window (``rollout.window``
+        unless given, at most L) and the sampling temperature the log-probs are taken at
+        (greedy decoding, temperature 0, scores at 1)."""
+        r = cfg.rollout
+        return cls(algo=cfg.algo, optim=cfg.optim,
+                   window=min(r.window if window is None else window, r.max_response_len),
+                   temperature=r.temperature if r.temperature > 0 else 1.0)
+
+
+def shift_right(x: Array) -> Array:
+    """``[B, S-1]`` per-next-token quantities -> ``[B, S]`` indexed by token (col 0 = 0)."""
+    return jnp.pad(x, ((0, 0), (1, 0)))
+
+
+def logprobs_from_hidden(model: nnx.Module, hidden: Array, tokens: Array, temperature: float
+                         ) -> tuple[Array, Array]:
+    """``logp[b, t]`` and entropy of token ``t``'s distribution, ``[B, S]`` each, chunked
+    over the vocabulary (``hidden [B, S, H]``: the model's last hidden states)."""
+    lp, ent = token_logprobs(hidden[:, :-1], model.lm_head_weight(), tokens[:, 1:],
+                             temperature=temperature, chunk_size=128)
+    return shift_right(lp), shift_right(ent)
+
+
+def critic_token_values(model: nnx.Module, tokens: Array, attn: Array) -> Array:
+    """``V(s_t)`` for every token ``t``: ``[B, S]`` (the critic reads position ``t-1``)."""
+    return shift_right(model(tokens, attention_mask=attn)[:, :-1])
+
+
+def reference_kl(ref: nnx.Module, logp: Array, mb: PolicyRows, n_tokens: Array,
+                 temperature: float) -> Array:
+    """Token-mean k3 estimate of ``KL(policy || ref)`` on the sampled tokens over
+    ``mb.policy_mask`` (``logp [R, W]``: the policy's); the reference carries no gradient."""
+    hidden = jax.lax.stop_gradient(ref.hidden_states(mb.tokens, attention_mask=mb.attn))
+    ref_logp, _ = logprobs_from_hidden(ref, hidden, mb.tokens, temperature)
+    return algo.kl_to_reference(logp, jax.lax.stop_gradient(ref_logp), mb.policy_mask,
+                                n_tokens=n_tokens)
+
+
+def policy_loss(graphdef: Any, params: Any, mb: PolicyRows, denoms: dict[str, Array],
+                ref: Any = None, *, cfg: LearnerConfig) -> tuple[Array, dict[str, Array]]:
+    """Clipped surrogate on the policy mask + ``nll_coef`` x positive-example NLL (+
+    ``kl_coef`` x KL to the reference policy, whose params ``ref`` are given when
+    ``kl_coef > 0``), each divided by the minibatch's counts (``denoms``: ``tokens`` /
+    ``rows`` of the policy mask, ``positive`` tokens)."""
+    a = cfg.algo
+    model = nnx.merge(graphdef, params)
+    hidden = model.hidden_states(mb.tokens, attention_mask=mb.attn)
+    logp, ent = logprobs_from_hidden(model, hidden, mb.tokens, cfg.temperature)
+    pl, stats = algo.policy_loss(logp, mb.sample_logprobs, mb.advantages, mb.policy_mask,
+                                 eps_low=a.eps_low, eps_high=a.eps_high,
+                                 dual_clip_c=a.dual_clip_c, aggregation=a.loss_aggregation,
+                                 n_tokens=denoms["tokens"], n_rows=denoms["rows"])
+    nll = algo.nll_loss(logp, mb.positive_mask, n_tokens=denoms["positive"])
+    stats = dict(stats, pg_loss=pl, nll_loss=nll,
+                 entropy=algo.aggregate(ent, mb.policy_mask, denom=denoms["tokens"]))
+    loss = pl + a.nll_coef * nll
+    if ref is not None:
+        kl = reference_kl(nnx.merge(graphdef, jax.lax.stop_gradient(ref)), logp, mb,
+                          denoms["tokens"], cfg.temperature)
+        stats["kl_ref"] = kl
+        loss = loss + a.kl_coef * kl
+    return loss, stats
+
+
+def value_loss(graphdef: Any, params: Any, mb: ValueRows, denoms: dict[str, Array], *,
+               cfg: LearnerConfig) -> tuple[Array, dict[str, Array]]:
+    """Clipped value regression to MC returns on one row group's value mask (finished rows
+    only), divided by the minibatch's ``denoms`` (``tokens`` / ``rows`` of the value mask)."""
+    a = cfg.algo
+    v = critic_token_values(nnx.merge(graphdef, params), mb.tokens, mb.attn)
+    return algo.value_loss(v, mb.values_old, mb.returns, mb.value_mask,
+                           clip_low=a.value_clip_low, clip_high=a.value_clip_high,
+                           aggregation=a.loss_aggregation, n_tokens=denoms["tokens"],
+                           n_rows=denoms["rows"])
