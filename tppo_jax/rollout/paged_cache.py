@@ -73,14 +73,19 @@ class PoolSplit:
         return math.prod(self.mesh.shape[a] for a in self.batch)
 
     @property
+    def _entry(self) -> str | tuple[str, ...] | None:
+        """The batch axes as one spec entry (as ``batch_sharding`` writes it)."""
+        return None if not self.batch else self.batch[0] if len(self.batch) == 1 else self.batch
+
+    @property
     def rows(self) -> P:
         """Spec of a ``[S, ...]`` / ``[N, ...]`` array: split into the G blocks."""
-        return P(self.batch or None)
+        return P(self._entry)
 
     @property
     def pool(self) -> P:
         """Spec of a ``[L, Hkv, N, page_size, D]`` pool."""
-        return P(None, self.heads, self.batch or None, None, None)
+        return P(None, self.heads, self._entry, None, None)
 
     def block_index(self) -> Array:
         """Inside ``run``: this block's index g (int32 scalar; 0 without batch axes)."""
@@ -153,7 +158,7 @@ class PagedKVCache:
             return _write_and_attend(self.impl, pages, k_pool, v_pool, slots, q, k, v,
                                      positions, valid, layer_idx)
 
-        heads = P(sp.batch or None, None, sp.heads, None)
+        heads = P(sp._entry, None, sp.heads, None)
         rows = sp.rows
         out, pages, k_all, v_all = sp.run(
             local, (rows, sp.pool, sp.pool, rows, heads, heads, heads, rows, rows, P()),
