@@ -38,8 +38,12 @@ def _run_two(run_dir: Path, overrides: list[str], cwd: Path, flags: tuple = (),
     returns their console output. Output goes to files: a full pipe would block one process
     while the other waits for it in a collective."""
     port = _free_port()
+    # PYTHONPATH: the processes import this checkout's tppo_jax (a worktree's, not the
+    # editable install's)
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     procs, logs = [], []
     try:
         for pid in range(2):
