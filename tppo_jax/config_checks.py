@@ -341,13 +341,9 @@ def _check_layout(cfg: Config, num_devices: int | None, num_processes: int) -> N
     sizes = [m.data, m.fsdp, m.tensor]
     if sizes.count(-1) > 1:
         raise ConfigError(f"mesh {sizes} (data, fsdp, tensor): at most one axis may be -1")
-    if num_processes > 1:
-        if r.kv_cache == "paged":
-            raise ConfigError(f"rollout.kv_cache={r.kv_cache!r} is single-host; with "
-                              f"{num_processes} processes use rollout.kv_cache=dense")
-        if r.slots % num_processes:
-            raise ConfigError(f"slots ({r.slots}) not divisible by the number of processes "
-                              f"({num_processes}): every host runs the same number of slots")
+    if num_processes > 1 and r.slots % num_processes:
+        raise ConfigError(f"slots ({r.slots}) not divisible by the number of processes "
+                          f"({num_processes}): every host runs the same number of slots")
     if num_devices is not None:
         fixed = 1
         for s in sizes:
@@ -375,3 +371,17 @@ def _check_layout(cfg: Config, num_devices: int | None, num_processes: int) -> N
             if r.slots % replicas:
                 raise ConfigError(f"slots ({r.slots}) not divisible by the {replicas} decode "
                                   f"replicas (devices / mesh.decode_tensor)")
+    if num_processes > 1 and num_devices is not None and r.kv_cache != "dense" and r.num_pages:
+        # Across hosts each batch shard of the decode mesh has its own block of the pool.
+        shards = num_devices // m.decode_tensor if m.decode_tensor else dp
+        if r.num_pages % shards:
+            raise ConfigError(f"rollout.num_pages ({r.num_pages}) not divisible by the "
+                              f"{shards} decode batch shards: with {num_processes} processes "
+                              f"each shard holds its own block of pages")
+        pre = cfg.algo.value_pretrain_steps > 0
+        window = r.max_response_len if pre else min(r.window, r.max_response_len)
+        need = -(-(r.max_prompt_len - 1 + window) // r.page_size)
+        if r.num_pages // shards < need:
+            raise ConfigError(f"rollout.num_pages ({r.num_pages}) over {shards} decode batch "
+                              f"shards leaves {r.num_pages // shards} pages per shard; one "
+                              f"prompt and its first window need {need}")

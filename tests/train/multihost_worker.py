@@ -36,6 +36,15 @@ def params_digest(ckpt_dir: Path) -> dict:
             h.update(full.astype(np.float32).tobytes())
         out[item] = h.hexdigest()
         out[f"{item}_finite"] = finite
+    # The rollout KV cache as saved: its leaves and, paged, its page bookkeeping.
+    kv = mngr.restore(step, args=ocp.args.Composite(kv_cache=ocp.args.StandardRestore()))
+    flat = {jax.tree_util.keystr(p): np.asarray(multihost_utils.process_allgather(x, tiled=True))
+            for p, x in jax.tree_util.tree_leaves_with_path(kv["kv_cache"])}
+    out["kv_leaves"] = sorted(flat)
+    pages = {k.rsplit("'", 2)[-2]: v for k, v in flat.items() if "'pages'" in k}
+    if pages:
+        out["kv_pages"] = {"table": pages["page_table"].tolist(),
+                           "refcount": pages["refcount"].tolist()}
     mngr.close()
     return out
 

@@ -38,8 +38,12 @@ def _run_two(run_dir: Path, overrides: list[str], cwd: Path, flags: tuple = (),
     returns their console output. Output goes to files: a full pipe would block one process
     while the other waits for it in a collective."""
     port = _free_port()
+    # PYTHONPATH: the processes import this checkout's tppo_jax (a worktree's, not the
+    # editable install's)
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     procs, logs = [], []
     try:
         for pid in range(2):
@@ -82,13 +86,31 @@ def _digest(out: str) -> dict:
     return json.loads(line[len("DIGEST "):])
 
 
+def _check_blocks(pages: dict, blocks: int) -> None:
+    """A split paged pool as saved: each block's table rows name only its own pages (ids
+    local to the block) and every page's refcount is the number of rows naming it."""
+    table, ref = np.asarray(pages["table"]), np.asarray(pages["refcount"])
+    per_slots, per_pages = len(table) // blocks, len(ref) // blocks
+    assert (table < per_pages).all() and (table >= 0).any()
+    for b in range(blocks):
+        rows = table[b * per_slots:(b + 1) * per_slots]
+        count = np.bincount(rows[rows >= 0], minlength=per_pages)
+        np.testing.assert_array_equal(count, ref[b * per_pages:(b + 1) * per_pages])
+
+
 @pytest.mark.slow
-def test_two_processes_train_and_agree(tmp_path):
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
+def test_two_processes_train_and_agree(tmp_path, kv_cache):
     run = tmp_path / "runs" / "mh"
-    outs = _run_two(run, ["train.steps=2"], tmp_path)
+    kv = [f"rollout.kv_cache={kv_cache}"]
+    outs = _run_two(run, ["train.steps=2", *kv], tmp_path)
     d0, d1 = _digest(outs[0]), _digest(outs[1])
     assert d0 == d1, (d0, d1)
     assert d0["step"] == 2 and d0["policy_finite"] and d0["value_finite"]
+    # Paged: the pool is split into 4 blocks (one per batch shard: mesh.fsdp=4, two per host).
+    assert ("kv_pages" in d0) == (kv_cache == "paged"), d0["kv_leaves"]
+    if kv_cache == "paged":
+        _check_blocks(d0["kv_pages"], 4)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]  # process 0 alone writes
     # Both hosts' slots were trained on: 8 slots = 2 hosts x 4.
@@ -101,12 +123,13 @@ def test_two_processes_train_and_agree(tmp_path):
 
     # Resume with two processes: each host takes back its own data, slots and KV cache, so
     # step 3 is exactly the step 3 of an uninterrupted two-process run.
-    outs = _run_two(run, ["train.steps=3"], tmp_path, flags=("--resume",))
+    outs = _run_two(run, ["train.steps=3", *kv], tmp_path, flags=("--resume",))
     r0, r1 = _digest(outs[0]), _digest(outs[1])
     assert r0 == r1 and r0["step"] == 3 and r0["policy"] != d0["policy"]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    straight = _digest(_run_two(tmp_path / "runs" / "straight", ["train.steps=3"], tmp_path)[0])
+    straight = _digest(_run_two(tmp_path / "runs" / "straight", ["train.steps=3", *kv],
+                                tmp_path)[0])
     assert straight == r0
 
 
@@ -174,13 +197,18 @@ def test_cli_reports_bad_distributed_flags(tmp_path):
     assert "config error: distributed: process_id not set" in r.stderr
 
 
-def test_paged_cache_is_refused_with_several_processes():
+def test_paged_cache_with_several_processes_needs_pages_per_shard():
     from tppo_jax.config import ConfigError, load_config, validate
 
-    cfg = load_config("smoke", ["rollout.kv_cache=paged"])
-    with pytest.raises(ConfigError, match="single-host"):
-        validate(cfg, num_devices=8, num_processes=2)
+    validate(load_config("smoke", ["rollout.kv_cache=paged"]), num_devices=8, num_processes=2)
     validate(load_config("smoke", []), num_devices=8, num_processes=2)
+    base = ["rollout.kv_cache=paged", "mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"]
+    with pytest.raises(ConfigError, match=r"num_pages \(402\) not divisible by the 4 decode"):
+        validate(load_config("smoke", [*base, "rollout.num_pages=402"]), num_devices=8,
+                 num_processes=2)
+    with pytest.raises(ConfigError, match="leaves 2 pages per shard; .* window need 7"):
+        validate(load_config("smoke", [*base, "rollout.num_pages=8"]), num_devices=8,
+                 num_processes=2)
 
 
 def test_resume_with_other_process_count_is_refused():

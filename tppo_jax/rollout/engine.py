@@ -7,9 +7,11 @@ through ``rollout.decode`` (prefill + the window loop + sampling + the RNG rule)
 served is what trains. It works in token ids and knows nothing of tokenizers or serving
 protocols: the training path never imports a serving stack.
 
-The cache is dense (one row per slot; works across hosts) or paged (one shared pool;
-``rollout.kv_slots`` owns page budgets, prompt sharing and freeing). Cache invariant: see
-``rollout.decode`` -- a live slot has ``[0, position)`` cached and ``next_token`` pending.
+The cache is dense (one row per slot) or paged (a page pool; ``rollout.kv_slots`` owns page
+budgets, prompt sharing and freeing): one pool, or, given a mesh, one block of slots and pages
+per batch shard (what several hosts run: each host's pages serve its own slots). Cache
+invariant: see ``rollout.decode`` -- a live slot has ``[0, position)`` cached and
+``next_token`` pending.
 
 Operations: per request, ``prefill`` one prompt into a ``Prefix`` and ``insert`` it into a
 slot (``insert_group``: G samples sharing its pages), then ``generate_step`` (one token per
@@ -124,8 +126,9 @@ class DecodeEngine:
         a run's is ``rollout.kv_cache`` (the one default, in the config).
       sampling: static ``SamplingParams``; seed: the PRNG key every sampling stream derives
         from (with the sequence's ``seq_id`` and position: ``rollout.decode``).
-      mesh: lay a dense cache out on it (slots over the batch axes); ``put_rows`` places this
-        host's per-slot rows on it.
+      mesh: lay the cache out on it: a dense cache's slots over the batch axes, a paged pool
+        cut into one block of slots and pages per batch shard (``paged_cache.PoolSplit``);
+        ``put_rows`` places this host's per-slot rows on it.
     """
 
     def __init__(self, model: nnx.Module, *, eos_ids: Sequence[int], kv_cache: str,
@@ -156,6 +159,7 @@ class DecodeEngine:
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=0)
         self._prefill_slots_fn = jax.jit(self._prefill_slots_impl, donate_argnums=1)
         self._share_fn = jax.jit(self._share_impl, donate_argnums=0)
+        self._share_rows_fn = jax.jit(self._share_rows_impl, donate_argnums=0)
         self._place_fn = jax.jit(self._place_impl, donate_argnums=0)
         self._window_fn = jax.jit(self._window_impl, static_argnums=2, donate_argnums=0)
         self._step_fn = jax.jit(self._step_impl, donate_argnums=0)
@@ -217,7 +221,8 @@ class DecodeEngine:
         s = self._slots
         cache = kv_slots.new_cache(self.config, s, self.max_target_length, kind=self.kv_cache,
                                    page_size=self.page_size, num_pages=self.num_pages,
-                                   mesh=self._cache_mesh, attn_impl=self._impl)
+                                   mesh=self._cache_mesh, attn_impl=self._impl,
+                                   split_pages=True)
         zeros = lambda: jnp.zeros(s, jnp.int32)  # noqa: E731  (distinct buffers: donated)
         return DecodeState(cache=cache, next_token=zeros(), position=zeros(), generated=zeros(),
                            seq_id=jnp.zeros(s, jnp.uint32), live=jnp.zeros(s, bool),
@@ -298,7 +303,11 @@ class DecodeEngine:
                    seq_id: int | None = None) -> tuple[DecodeState, bool]:
         """``insert`` that reports failure instead of raising. On failure the slot is empty
         (its previous pages freed) and no live page of another slot was touched.
-        ``decode_state`` is donated: use the returned one."""
+        ``decode_state`` is donated: use the returned one. One pool only (a split pool is
+        filled by ``prefill_slots``)."""
+        if kv_slots.is_split(decode_state.cache):
+            raise ValueError("insert needs one paged pool; a pool split over the mesh is "
+                             "filled with prefill_slots")
         ds, ok = self._insert_fn(decode_state, prefix, jnp.int32(slot), self._new_seq(seq_id))
         return ds, bool(ok)
 
@@ -343,6 +352,26 @@ class DecodeEngine:
             position=jnp.where(got, ds.position[src], ds.position),
             generated=jnp.where(got, 0, ds.generated),
             seq_id=jnp.where(got, seq_ids, ds.seq_id)), ok
+
+    def _share_rows_impl(self, ds: DecodeState, src: Array, dst: Array, seq_ids: Array
+                         ) -> tuple[DecodeState, Array]:
+        cache = kv_slots.free(ds.cache, dst)
+        cache, ok, src_of = kv_slots.share_prompts(cache, src, dst)
+        got = dst & ok
+        return ds.replace(
+            cache=cache, live=jnp.where(dst, got, ds.live),
+            next_token=jnp.where(got, ds.next_token[src_of], ds.next_token),
+            position=jnp.where(got, ds.position[src_of], ds.position),
+            generated=jnp.where(got, 0, ds.generated),
+            seq_id=jnp.where(got, seq_ids, ds.seq_id)), ok
+
+    def share_prompts(self, decode_state: DecodeState, src: Array, dst: Array,
+                      seq_ids: Array) -> tuple[DecodeState, Array]:
+        """Paged, one prompt per page block (``kv_slots.share_prompts``): in each block the
+        ``dst [S]`` slots take the prompt of the block's ``src [S]`` slot; ``seq_ids [S]``
+        uint32 their sampling streams. Per-slot arrays as ``put_rows`` makes them. Returns
+        ``(state, ok [S])``. ``decode_state`` is donated."""
+        return self._share_rows_fn(decode_state, src, dst, seq_ids)
 
     def share_prompt(self, decode_state: DecodeState, src: int, dst: np.ndarray,
                      seq_ids: np.ndarray) -> tuple[DecodeState, np.ndarray]:

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from tppo_jax.models.cache import DenseKVCache
+from tppo_jax.parallel.multihost import global_to_host
 from tppo_jax.rollout import pages as pg
-from tppo_jax.rollout.paged_cache import PagedKVCache, init_pools
+from tppo_jax.rollout.paged_cache import PagedKVCache, PoolSplit, init_pools
 
 Array = jax.Array
 Cache = DenseKVCache | PagedKVCache
@@ -26,12 +27,15 @@ Cache = DenseKVCache | PagedKVCache
 
 def new_cache(config: Any, num_slots: int, max_len: int, *, kind: str = "dense",
               page_size: int = 16, num_pages: int = 0, mesh: Any = None,
-              attn_impl: str = "auto") -> Cache:
+              attn_impl: str = "auto", split_pages: bool = False) -> Cache:
     """An empty cache for ``num_slots`` sequences of up to ``max_len`` positions.
 
-    ``kind="paged"``: one pool of ``num_pages`` pages (0 = every slot at full length) shared
-    by all slots; ``"dense"``: a ``[L, num_slots, max_len, Hkv, D]`` buffer, created in its
-    sharded layout when a mesh is given.
+    ``kind="paged"``: ``num_pages`` pages (0 = every slot at full length) for all slots: one
+    pool shared by all slots, or, with ``split_pages`` and a mesh, ``G`` blocks of
+    ``num_slots / G`` slots and ``num_pages / G`` pages, one per batch shard
+    (``paged_cache.PoolSplit``: each host's pages serve its own slots), created in place.
+    ``"dense"``: a ``[L, num_slots, max_len, Hkv, D]`` buffer, created in its sharded layout
+    when a mesh is given.
     """
     c = config
     kind = resolve_kind(kind)
@@ -41,25 +45,51 @@ def new_cache(config: Any, num_slots: int, max_len: int, *, kind: str = "dense",
                 else DenseKVCache.init(*args))
     max_pages = -(-max_len // page_size)
     n = num_pages or num_slots * max_pages
-    k, v = init_pools(c.num_layers, c.num_kv_heads, n, page_size, c.head_dim, c.jnp_dtype)
-    return PagedKVCache(pg.init(n, num_slots, max_pages, page_size), k, v,
-                        jnp.arange(num_slots, dtype=jnp.int32), attn_impl)
+    split = (PoolSplit.make(mesh, num_slots, c.num_kv_heads, c.num_heads)
+             if split_pages and mesh is not None else None)
+    if split is None or split.groups == 1:
+        k, v = init_pools(c.num_layers, c.num_kv_heads, n, page_size, c.head_dim, c.jnp_dtype)
+        return PagedKVCache(pg.init(n, num_slots, max_pages, page_size), k, v,
+                            jnp.arange(num_slots, dtype=jnp.int32), attn_impl)
+    g = split.groups
+    if num_slots % g or n % g:
+        raise ValueError(f"a paged pool split over {g} batch shards needs slots ({num_slots}) "
+                         f"and pages ({n}) divisible by {g}")
+    rows, pool = split.shardings()
+
+    def make() -> PagedKVCache:
+        k, v = init_pools(c.num_layers, c.num_kv_heads, n, page_size, c.head_dim, c.jnp_dtype)
+        block = pg.init(n // g, num_slots // g, max_pages, page_size)
+        pages = pg.PageState(page_table=jnp.tile(block.page_table, (g, 1)),
+                             refcount=jnp.tile(block.refcount, g),
+                             slot_len=jnp.tile(block.slot_len, g), page_size=page_size)
+        return PagedKVCache(pages, k, v, jnp.arange(num_slots, dtype=jnp.int32), attn_impl,
+                            split)
+
+    shardings = PagedKVCache(pg.PageState(rows, rows, rows, page_size), pool, pool, rows,
+                             attn_impl, split)
+    return jax.jit(make, out_shardings=shardings)()
 
 
 def resolve_kind(kind: str) -> str:
-    """``auto`` -> the cache that decodes faster here: ``paged`` on TPU/GPU (Pallas paged
-    attention, no full-length rows), ``dense`` on CPU (``tppo bench decode`` measures the
-    dense cache faster there: the reference paged kernel gathers every page) and across
-    hosts (the paged pool is single-host)."""
+    """``auto`` -> the cache that decodes faster here: ``paged`` on TPU/GPU, one host or
+    many (Pallas paged attention, no full-length rows; across hosts each batch shard holds
+    its own block of the pool, ``new_cache``), ``dense`` on CPU, one process or several
+    (``tppo bench decode`` measures the dense cache faster there: the reference paged
+    kernel gathers every page)."""
     if kind != "auto":
         return kind
-    if jax.process_count() > 1 or jax.default_backend() == "cpu":
-        return "dense"
-    return "paged"
+    return "dense" if jax.default_backend() == "cpu" else "paged"
 
 
 def is_paged(cache: Cache) -> bool:
     return isinstance(cache, PagedKVCache)
+
+
+def _split(cache: PagedKVCache) -> PoolSplit | None:
+    """The cache's ``PoolSplit`` when it has more than one block."""
+    sp = cache.split
+    return sp if sp is not None and sp.groups > 1 else None
 
 
 def reserve(cache: Cache, rows: Array, upto: Array) -> tuple[Cache, Array]:
@@ -68,9 +98,19 @@ def reserve(cache: Cache, rows: Array, upto: Array) -> tuple[Cache, Array]:
     a live page."""
     if not is_paged(cache):
         return cache, jnp.ones(rows.shape, bool)
-    extra = jnp.maximum(upto - cache.pages.slot_len, 0)
-    pages, ok = pg.reserve(cache.pages, rows, jnp.where(rows, extra, 0))
+    sp = _split(cache)
+    if sp is None:
+        pages, ok = _reserve_pages(cache.pages, rows, upto)
+    else:  # each block from its own free pages
+        pages, ok = sp.run(_reserve_pages, (sp.rows,) * 3, (sp.rows, sp.rows))(
+            cache.pages, rows, upto)
     return cache.replace(pages=pages), ok
+
+
+def _reserve_pages(pages: pg.PageState, rows: Array, upto: Array) -> tuple[pg.PageState, Array]:
+    """``pg.reserve`` of positions ``[0, upto [S])`` for the ``rows [S]`` slots."""
+    extra = jnp.maximum(upto - pages.slot_len, 0)
+    return pg.reserve(pages, rows, jnp.where(rows, extra, 0))
 
 
 def reserve_window(cache: Cache, upto: Array, first: Array, rest: Array
@@ -87,23 +127,64 @@ def free(cache: Cache, rows: Array) -> Cache:
     last holder leaves); a dense row is reused as is."""
     if not is_paged(cache):
         return cache.reset_rows(rows)
-    return cache.replace(pages=pg.free(cache.pages, rows))
+    sp = _split(cache)
+    if sp is None:
+        return cache.replace(pages=pg.free(cache.pages, rows))
+    return cache.replace(pages=sp.run(pg.free, (sp.rows, sp.rows), sp.rows)(cache.pages, rows))
 
 
 def share_prompt(cache: Cache, src: Array, dst: Array) -> tuple[Cache, Array]:
-    """The other samples of a prompt take ``src``'s cached prompt: full pages by reference
-    (refcount), a private copy of the partial tail page. ``dst`` slots must be empty. Paged
-    only. Returns ``(cache, ok [S])``."""
-    pages, ok, tail_src, tail_dst = pg.share_prefix(cache.pages, src, dst)
-    k, v = jax.vmap(lambda kl, vl: pg.copy_pages(kl, vl, tail_src, tail_dst))(cache.k, cache.v)
-    return cache.replace(pages=pages, k=k, v=v), ok
+    """The other samples of a prompt take ``src``'s (a slot id) cached prompt: full pages by
+    reference (refcount), a private copy of the partial tail page. ``dst`` slots must be
+    empty. Paged only. Returns ``(cache, ok [S])``."""
+    src_mask = jnp.arange(cache.pages.num_slots) == jnp.asarray(src, jnp.int32)
+    cache, ok, _ = share_prompts(cache, src_mask, dst)
+    return cache, ok
+
+
+def share_prompts(cache: PagedKVCache, src: Array, dst: Array
+                  ) -> tuple[PagedKVCache, Array, Array]:
+    """``share_prompt`` for one prompt per page block at once (one block without a split):
+    in each block the ``dst [S]`` slots take the prompt of the block's ``src [S]`` slot (at
+    most one per block). ``dst`` slots of a block without a source get ``ok = False``
+    (untouched). Returns ``(cache, ok [S], src_of [S])``: ``src_of`` is each slot's block
+    source (a slot id; meaningful where ``dst & ok``)."""
+    src, dst = jnp.asarray(src, bool), jnp.asarray(dst, bool)
+    sp = _split(cache)
+    g = 1 if sp is None else sp.groups
+    n = cache.pages.num_slots // g
+    first = jnp.argmax(src.reshape(g, n), axis=1) + jnp.arange(g) * n
+    src_of = jnp.repeat(first, n).astype(jnp.int32)
+    if sp is None:
+        pages, k, v, ok = _share_local(cache.pages, cache.k, cache.v, src, dst)
+    else:
+        pages, k, v, ok = sp.run(_share_local, (sp.rows, sp.pool, sp.pool, sp.rows, sp.rows),
+                                 (sp.rows, sp.pool, sp.pool, sp.rows))(
+            cache.pages, cache.k, cache.v, src, dst)
+    return cache.replace(pages=pages, k=k, v=v), ok, src_of
+
+
+def _share_local(pages: pg.PageState, k: Array, v: Array, src: Array, dst: Array
+                 ) -> tuple[pg.PageState, Array, Array, Array]:
+    """One pool (pages, ``k, v [L, Hkv, N, ps, D]``): the ``dst [S]`` slots take the prompt
+    of the ``src [S]`` slot (the first True; none: nothing shared, ``ok = ~dst``).
+    Returns ``(pages, k, v, ok [S])``."""
+    has = jnp.any(src)
+    pages, ok, tail_src, tail_dst = pg.share_prefix(pages, jnp.argmax(src), dst & has)
+    k, v = jax.vmap(lambda kl, vl: pg.copy_pages(kl, vl, tail_src, tail_dst))(k, v)
+    return pages, k, v, ok & (has | ~dst)
+
+
+def is_split(cache: Cache) -> bool:
+    """A paged pool cut into per-shard blocks (``paged_cache.PoolSplit``)."""
+    return is_paged(cache) and _split(cache) is not None
 
 
 def pages_in_use(cache: Cache) -> int:
     """Pages with refcount > 0 (a shared page counts once); 0 for a dense cache."""
     if not is_paged(cache):
         return 0
-    return cache.pages.num_pages - int(pg.num_free_pages(cache.pages))
+    return int(jnp.sum(cache.pages.refcount > 0))
 
 
 # ------------------------------------------------------------------ host-side budget rule
@@ -112,13 +193,47 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-max(int(tokens), 0) // page_size)
 
 
-def admission_room(cache: Cache, live: np.ndarray, position: np.ndarray, window: int) -> int:
-    """Free pages left for fresh prompts once every live slot has room for its next window
-    (continuations come first). A large number for a dense cache (no page budget)."""
+def host_blocks(cache: Cache) -> int:
+    """How many page blocks this host's slots are split into (1: one pool, or dense)."""
+    if not is_paged(cache) or _split(cache) is None:
+        return 1
+    return cache.split.groups // jax.process_count()
+
+
+def host_pages(cache: PagedKVCache) -> tuple[np.ndarray, np.ndarray]:
+    """This host's ``(pages held [S_host], refcount [N_host])``, read from the shards it
+    holds (no cross-host transfer); the whole pool when it is not split."""
+    if _split(cache) is None:
+        return np.asarray(pg.pages_held(cache.pages)), np.asarray(cache.pages.refcount)
+    table = global_to_host(cache.pages.page_table)
+    return (table >= 0).sum(axis=1).astype(np.int32), global_to_host(cache.pages.refcount)
+
+
+def block_room(held: np.ndarray, refcount: np.ndarray, blocks: int, live: np.ndarray,
+               position: np.ndarray, window: int, page_size: int) -> np.ndarray:
+    """Free pages of each of ``blocks`` page blocks once every live slot in the block has
+    room for its next window (continuations come first). Pure numpy.
+
+    Args: held ``[S]`` pages held per slot; refcount ``[N]`` (block ``b``: slots
+      ``[b*S/blocks, (b+1)*S/blocks)``, pages ``[b*N/blocks, (b+1)*N/blocks)``); live ``[S]``
+      bool; position ``[S]`` tokens cached per slot.
+    Returns: ``[blocks]`` int64 (negative: continuations alone overdraw the block).
+    """
+    s, n = held.shape[0], refcount.shape[0]
+    want = -(-(np.asarray(position, np.int64) + window) // page_size)
+    grow = np.where(live, np.maximum(want - held, 0), 0)
+    free = (refcount == 0).reshape(blocks, n // blocks).sum(axis=1)
+    return (free - grow.reshape(blocks, s // blocks).sum(axis=1)).astype(np.int64)
+
+
+def admission_room(cache: Cache, live: np.ndarray, position: np.ndarray, window: int
+                   ) -> np.ndarray:
+    """Free pages left for fresh prompts in each of this host's page blocks (``[blocks]``,
+    ``host_blocks``) once every live slot has room for its next window; slot ``r`` of the
+    host's ``[S_host]`` rows draws from block ``r // (S_host / blocks)``. A large number for
+    a dense cache (no page budget)."""
     if not is_paged(cache):
-        return np.iinfo(np.int32).max
-    ps = cache.pages.page_size
-    held = np.asarray(pg.pages_held(cache.pages))
-    grow = sum(max(pages_for(int(position[r]) + window, ps) - int(held[r]), 0)
-               for r in np.flatnonzero(live))
-    return int(pg.num_free_pages(cache.pages)) - grow
+        return np.full(1, np.iinfo(np.int32).max, np.int64)
+    held, refcount = host_pages(cache)
+    return block_room(held, refcount, host_blocks(cache), np.asarray(live, bool), position,
+                      window, cache.pages.page_size)

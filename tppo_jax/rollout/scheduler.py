@@ -114,14 +114,17 @@ MAX_IDLE_STEPS = 3
 def make_engine(model: nnx.Module, rollout: RolloutConfig, *, eos_ids: tuple[int, ...],
                 sampling: SamplingParams, seed: int = 0, mesh: Any = None) -> DecodeEngine:
     """The rollout's ``DecodeEngine`` for ``rollout``: ``slots`` slots of prompt + L
-    positions; a dense cache laid out on ``mesh``, a paged pool off it (single-host)."""
+    positions; a dense cache laid out on ``mesh``; a paged pool off it with one process, with
+    several split into one block of slots and ``num_pages / blocks`` pages per batch shard
+    of ``mesh`` (each host's pages serve its own slots)."""
     r = rollout
     kind = kv_slots.resolve_kind(r.kv_cache)
+    on_mesh = kind == "dense" or jax.process_count() > 1
     return DecodeEngine(model, eos_ids=eos_ids, max_slots=r.slots,
                         max_target_length=r.max_prompt_len + r.max_response_len,
                         max_new_tokens=r.max_response_len, kv_cache=kind,
                         page_size=r.page_size, num_pages=r.num_pages, sampling=sampling,
-                        seed=seed, mesh=mesh if kind == "dense" else None)
+                        seed=seed, mesh=mesh if on_mesh else None)
 
 
 class TruncatedRolloutScheduler:
@@ -132,12 +135,14 @@ class TruncatedRolloutScheduler:
       prompts: an iterator of ``MathExample``s (the data pipeline).
       encode_prompt: ``MathExample -> list[int]`` prompt token ids.
       rollout: the run's ``rollout`` config section. Its slots B count over all hosts: with
-        several processes each host owns ``B / P`` of them (its own prompts, host state and
-        grading) and device arrays are global. ``kv_policy``: ``keep`` reuses the cache
-        computed under older weights; ``reprefill`` recomputes every continuing row's cache
-        under the current weights (exact). ``kv_cache``: ``dense`` (one ``[S]`` row per
-        slot), ``auto`` (``kv_slots.resolve_kind``) or ``paged`` (a shared pool of
-        ``num_pages`` pages of ``page_size`` tokens). When the pool is short, continuations
+        several processes each host owns ``B / P`` of them (its own prompts, host state,
+        grading and, paged, its own blocks of the page pool) and device arrays are global.
+        ``kv_policy``: ``keep`` reuses the cache computed under older weights; ``reprefill``
+        recomputes every continuing row's cache under the current weights (exact).
+        ``kv_cache``: ``dense`` (one ``[S]`` row per slot), ``auto``
+        (``kv_slots.resolve_kind``) or ``paged`` (a pool of ``num_pages`` pages of
+        ``page_size`` tokens, over all hosts; with several processes each batch shard's slots
+        draw from their own ``num_pages / shards``). When the pool is short, continuations
         get their pages first and fewer fresh prompts are admitted (their slots sit idle
         this step); no live page is ever overwritten.
       eos_ids, sampling, seed: the stop tokens, how tokens are drawn, the sampling key.
@@ -154,10 +159,10 @@ class TruncatedRolloutScheduler:
         self.G = r.group_size
         self.B_global = r.slots
         self.B = r.slots // jax.process_count()  # slots this host manages
-        self.kv_cache = kv_cache = kv_slots.resolve_kind(r.kv_cache)
+        self.kv_cache = kv_slots.resolve_kind(r.kv_cache)
         if jax.process_count() > 1:
-            if mesh is None or kv_cache == "paged":
-                raise ValueError("several processes need a mesh and the dense KV cache")
+            if mesh is None:
+                raise ValueError("several processes need a mesh")
             check_batch_layout(mesh, r.slots)
         self.P, self.L = r.max_prompt_len, r.max_response_len
         self.window = min(r.window, r.max_response_len)
@@ -199,31 +204,41 @@ class TruncatedRolloutScheduler:
         return host_to_global(x, self.mesh) if self.mesh is not None else jnp.asarray(x)
 
     def _share_prompts(self, new_rows: np.ndarray) -> np.ndarray:
-        """Paged + keep: the G samples of a prompt admitted together prefill it once. The
-        first row of each group is prefilled; the others take its full pages by reference
-        (refcount) and a private copy of the partial last page. Returns the rows that are
+        """Paged + keep: the G samples of a prompt admitted together into one page block
+        prefill it once. The first row of each such group is prefilled; the others take its
+        full pages by reference (refcount) and a private copy of the partial last page, one
+        group per block per call (every host makes as many calls). Returns the rows that are
         now prefilled (so the window's prefill skips them)."""
         st = self.state
-        groups: dict[int, list[int]] = {}
+        per_block = self.B // kv_slots.host_blocks(self.ds.cache)
+        groups: dict[tuple[int, int], list[int]] = {}
         for r in np.flatnonzero(new_rows):
-            groups.setdefault(int(st.group_id[r]), []).append(int(r))
-        groups = {g: rows for g, rows in groups.items() if len(rows) > 1}
+            groups.setdefault((int(st.group_id[r]), int(r) // per_block), []).append(int(r))
+        by_block: dict[int, list[list[int]]] = {}
+        for (_, block), rows in groups.items():
+            if len(rows) > 1:
+                by_block.setdefault(block, []).append(rows)
+        rounds = max((len(g) for g in by_block.values()), default=0)
+        rounds = int(max_over_hosts({"rounds": rounds})["rounds"])
         done = np.zeros(self.B, bool)
-        if not groups:
+        if not rounds:
             return done
         src = np.zeros(self.B, bool)
-        src[[rows[0] for rows in groups.values()]] = True
+        for block_groups in by_block.values():
+            src[[rows[0] for rows in block_groups]] = True
         self.ds, ok = self._prefill_rows(src)
-        src &= np.asarray(ok)
+        src &= self._host_rows(ok)
         done |= src
-        for rows in groups.values():
-            if not src[rows[0]]:
-                continue
-            dst = np.zeros(self.B, bool)
-            dst[rows[1:]] = True
-            self.ds, ok = self.engine.share_prompt(self.ds, rows[0], dst,
-                                                   st.seq_id.astype(np.uint32))
-            done |= dst & ok
+        seq_ids = self._put(st.seq_id.astype(np.uint32))
+        for i in range(rounds):
+            first, dst = np.zeros(self.B, bool), np.zeros(self.B, bool)
+            for block_groups in by_block.values():
+                if i < len(block_groups) and src[block_groups[i][0]]:
+                    first[block_groups[i][0]] = True
+                    dst[block_groups[i][1:]] = True
+            self.ds, ok = self.engine.share_prompts(self.ds, self._put(first), self._put(dst),
+                                                    seq_ids)
+            done |= dst & self._host_rows(ok)
         self.stats["shared_prefills"] = self.stats.get("shared_prefills", 0.0) + float(
             (done & ~src).sum())
         return done
@@ -240,11 +255,18 @@ class TruncatedRolloutScheduler:
         left over when slots run out wait for the next free slot (samples of a group finish
         at different windows, so free slots rarely come in multiples of G). With a paged
         cache, prompts are admitted only while the pool has pages for their first window
-        after every continuation's next window. Returns the rows that need a prefill."""
+        after every continuation's next window, each slot from its page block's pages (a
+        block that cannot take the next prompt takes none after it this step). Returns the
+        rows that need a prefill."""
         st = self.state
         new_rows = np.zeros(self.B, bool)
         room = kv_slots.admission_room(self.ds.cache, st.live, st.total_len - 1, self.window)
+        per_block = self.B // len(room)
+        full = np.zeros(len(room), bool)
         for r in np.flatnonzero(~st.live):
+            block = r // per_block
+            if full[block]:
+                continue
             if not self.pending:
                 ex = next(self.prompts)
                 gid = self._next_group
@@ -254,12 +276,15 @@ class TruncatedRolloutScheduler:
             gid = self.pending.popleft()
             ids = self.encode_prompt(self.examples[gid])[-self.P:]
             need = kv_slots.pages_for(len(ids) - 1 + self.window, self.engine.page_size)
-            if kv_slots.is_paged(self.ds.cache) and need > room:
+            if kv_slots.is_paged(self.ds.cache) and need > room[block]:
                 self.pending.appendleft(gid)  # pool short: admit fewer prompts; this one waits
                 self.stats["admissions_deferred"] = self.stats.get(
                     "admissions_deferred", 0.0) + 1
-                break
-            room -= need
+                full[block] = True
+                if full.all():
+                    break
+                continue
+            room[block] -= need
             st.tokens[r] = 0
             st.tokens[r, :len(ids)] = ids
             st.prompt_len[r] = st.total_len[r] = len(ids)
