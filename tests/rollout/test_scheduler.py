@@ -98,39 +98,6 @@ def test_reprefill_matches_full_forward_and_keep_does_not():
     assert gaps["keep"] > 1e-2, gaps
 
 
-def test_sibling_outcomes_span_steps_and_end_with_the_group():
-    """A prompt's samples graded in earlier steps are its later samples' siblings (the
-    group baseline's ``so_far``), kept across a checkpoint and forgotten once every sample
-    of the group is done."""
-    s = _scheduler(window=4, slots=6, group=3)
-    seen_partial = False
-    for _ in range(12):
-        rb = s.step()
-        before = {int(g): list(o) for g, o in s.outcomes.items()}
-        total, n = s.sibling_outcomes(rb.group_id)
-        for r, g in enumerate(rb.group_id):
-            assert (total[r], n[r]) == tuple(before.get(int(g), (0.0, 0)))
-        reward = (rb.total_len % 2).astype(np.float32)  # any grade: a pure function of the row
-        s.record_outcomes(rb.group_id, reward, rb.finished)
-        for g in set(rb.group_id[rb.finished].tolist()):
-            done = rb.finished & (rb.group_id == g)
-            o = s.outcomes[g]
-            assert o[1] == before.get(g, [0.0, 0])[1] + done.sum()
-            assert o[0] == pytest.approx(before.get(g, [0.0, 0])[0] + reward[done].sum())
-        seen_partial |= any(g in before for g in rb.group_id[rb.finished].tolist())
-        d = s.state_dict()
-        s.release_finished(rb.finished)
-        live = set(s.state.group_id[s.state.live].tolist()) | set(s.pending)
-        assert set(s.outcomes) <= live  # a finished group is forgotten
-    assert seen_partial  # some rows finished after a sibling of theirs, in an earlier step
-    t = _scheduler(window=4, slots=6, group=3)
-    t.load_state_dict(d)
-    assert t.outcomes == {int(g): o for g, o in d["outcomes"].items()}
-    old = {k: v for k, v in d.items() if k != "outcomes"}  # a checkpoint from before
-    t.load_state_dict(old)
-    assert t.outcomes == {}
-
-
 def test_state_dict_roundtrip():
     s = _scheduler(window=8)
     rb = s.step()
@@ -141,6 +108,10 @@ def test_state_dict_roundtrip():
     for k, v in s.state.to_dict().items():
         np.testing.assert_array_equal(v, getattr(s2.state, k))
     assert s2.pending == s.pending
+    # a checkpoint written while the group baseline's ``so_far`` existed still loads
+    s3 = _scheduler(window=8)
+    s3.load_state_dict({**d, "outcomes": {"0": [1.0, 1]}})
+    assert s3.pending == s.pending
 
 
 @pytest.mark.slow  # ~17 s in one process on 2 shared cores

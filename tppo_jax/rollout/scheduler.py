@@ -175,10 +175,6 @@ class TruncatedRolloutScheduler:
         self.ds = self.engine.init_decode_state()
         self.state = SlotState.empty(self.B, self.S)
         self.examples: dict[int, MathExample] = {}
-        # group id -> [reward sum, count] of its samples graded in earlier steps (while any
-        # of its samples is live or pending): the siblings a group baseline can read when
-        # a prompt's samples finish in different steps (``record_outcomes``)
-        self.outcomes: dict[int, list[float]] = {}
         self.set_policy(model, 0)
         self.step_count = 0
         self._next_group = 0
@@ -323,22 +319,6 @@ class TruncatedRolloutScheduler:
             self.ds = self.engine.free_slots(self.ds, self._put(finished))
         live_groups = set(self.state.group_id[self.state.live].tolist()) | set(self.pending)
         self.examples = {g: e for g, e in self.examples.items() if g in live_groups}
-        self.outcomes = {g: o for g, o in self.outcomes.items() if g in live_groups}
-
-    def sibling_outcomes(self, group_id: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``([B] reward sum, [B] count)`` of each row's group's samples graded in earlier
-        steps (``record_outcomes``); 0 for a group with none."""
-        o = [self.outcomes.get(int(g), (0.0, 0)) for g in group_id]
-        return (np.array([x[0] for x in o], np.float32), np.array([x[1] for x in o], np.float32))
-
-    def record_outcomes(self, group_id: np.ndarray, reward: np.ndarray,
-                        finished: np.ndarray) -> None:
-        """Adds this step's graded rows (``finished [B]``, ``reward [B]``) to their groups'
-        outcomes; call before ``release_finished``, which forgets groups that are done."""
-        for g, r in zip(group_id[finished], reward[finished], strict=True):
-            o = self.outcomes.setdefault(int(g), [0.0, 0])
-            o[0] += float(r)
-            o[1] += 1
 
     # ---------------------------------------------------------------------------- step
     def _place(self, rows: np.ndarray) -> None:
@@ -422,7 +402,6 @@ class TruncatedRolloutScheduler:
                 "next_seq": self.engine.next_seq, "next_group": self._next_group,
                 "pending": list(self.pending),
                 "examples": {str(g): e.__dict__ for g, e in self.examples.items()},
-                "outcomes": {str(g): o for g, o in self.outcomes.items()},
                 "policy_version": self.policy_version}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
@@ -431,8 +410,8 @@ class TruncatedRolloutScheduler:
         self.engine.next_seq, self._next_group = int(d["next_seq"]), int(d["next_group"])
         self.pending = deque(int(g) for g in d["pending"])
         self.examples = {int(g): MathExample(**e) for g, e in d["examples"].items()}
-        self.outcomes = {int(g): [float(o[0]), int(o[1])]
-                         for g, o in d.get("outcomes", {}).items()}
+        # (a checkpoint from before the group baseline's ``so_far`` was removed also holds
+        # "outcomes": nothing reads them)
         self.policy_version = int(d["policy_version"])
         # Without a saved cache every live row is re-prefilled (see ``restore_cache``).
         self.ds = self.engine.init_decode_state()
