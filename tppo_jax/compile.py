@@ -81,14 +81,23 @@ def per_chip_bytes(tree: Any) -> int:
 
 def abstract_decode_state(engine: Any, mesh: Any) -> Any:
     """The engine's empty ``DecodeState`` as abstract arrays laid out as the engine makes it:
-    a dense cache sharded over ``mesh`` (``DenseKVCache.init_on_mesh``; ``eval_shape`` drops
-    the layout of a jit nested in the traced function), the rest replicated."""
+    a dense cache sharded over ``mesh`` (``DenseKVCache.init_on_mesh``), a paged pool split
+    into per-shard blocks (``kv_slots.new_cache``: ``eval_shape`` drops the layout of a jit
+    nested in the traced function), the rest replicated."""
     from tppo_jax.models.cache import DenseKVCache
+    from tppo_jax.rollout import pages as pg
+    from tppo_jax.rollout.paged_cache import PagedKVCache
 
     ds = jax.eval_shape(engine.init_decode_state)
-    if isinstance(ds.cache, DenseKVCache) and engine.cache_mesh is not None:
+    c = ds.cache
+    if isinstance(c, DenseKVCache) and engine.cache_mesh is not None:
         ds = ds.replace(cache=jax.tree.map(
-            _sds, ds.cache, DenseKVCache.layout(engine.cache_mesh, ds.cache.k.shape)))
+            _sds, c, DenseKVCache.layout(engine.cache_mesh, c.k.shape)))
+    elif isinstance(c, PagedKVCache) and c.split is not None and c.split.groups > 1:
+        rows, pool = c.split.shardings()
+        layout = PagedKVCache(pg.PageState(rows, rows, rows, c.pages.page_size), pool, pool,
+                              rows, c.impl, c.split)
+        ds = ds.replace(cache=jax.tree.map(_sds, c, layout))
     return _on_mesh(ds, mesh)
 
 
@@ -279,8 +288,9 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
                                 partial(learner.finish.lower, values, batch),
                                 {"rows": b, "width": s}, ()))
 
-    # Rollout: the scheduler's engine (paged pools are made off the mesh: replicated), on
-    # the decode mesh (mesh.decode_tensor: tensor-parallel replicas) or the training mesh.
+    # Rollout: the scheduler's engine, on the decode mesh (mesh.decode_tensor: tensor-
+    # parallel replicas) or the training mesh; a paged pool is one replicated pool on one
+    # host, split into one block per batch shard across hosts (each host's own pages).
     dmesh = decode_mesh(mesh, cfg.mesh.decode_tensor) if cfg.mesh.decode_tensor else mesh
     rows_sh, rep = batch_spec(dmesh), NamedSharding(dmesh, PartitionSpec())
     rollout_params = pparams
@@ -292,10 +302,10 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
         live["decode_copy"] = per_chip_bytes(rollout_params)
     policy = nnx.merge(pdef, rollout_params)
     sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
-    # ``auto`` as it resolves on the slice, not on this machine: paged on one TPU host
-    kv = r.kv_cache if r.kv_cache != "auto" else ("paged" if hosts == 1 else "dense")
+    # ``auto`` as it resolves on the slice, not on this machine: paged on TPU
+    kv = r.kv_cache if r.kv_cache != "auto" else "paged"
     engine = make_engine(policy, replace(r, kv_cache=kv), eos_ids=(0,), sampling=sampling,
-                         seed=cfg.train.seed, mesh=dmesh)
+                         seed=cfg.train.seed, mesh=dmesh, split_pages=hosts > 1)
     ds = abstract_decode_state(engine, dmesh)
     live["kv_cache"] = per_chip_bytes(ds.cache)
     facts["kv_cache"] = engine.kv_cache

@@ -141,6 +141,25 @@ def test_a_dense_kv_cache_counts_one_shard_per_chip(devices8, decode_tensor):
     assert whole // ways <= live["kv_cache"] <= whole // ways + 4 * slots  # + the lengths
 
 
+def test_a_paged_pool_split_over_hosts_counts_one_block_per_chip(devices8):
+    """On a slice of several hosts the paged pool is split into one block of slots and
+    pages per batch shard (``kv_slots.new_cache``): a chip holds its block, 1/8 of the pool
+    on 8 batch shards, not the whole pool."""
+    from tppo_jax.compile import build_programs, model_config
+    from tppo_jax.config import load_config
+    from tppo_jax.parallel.mesh import make_mesh
+
+    cfg = load_config("smoke", [*SMALL, "rollout.kv_cache=paged", "rollout.num_pages=64",
+                                "mesh.data=1", "mesh.fsdp=8"])
+    mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1}, devices8)
+    mc, r = model_config(cfg), cfg.rollout
+    pool = 2 * mc.num_layers * mc.num_kv_heads * 64 * r.page_size * mc.head_dim * 4  # k, v
+    for hosts, ways in ((1, 1), (2, 8)):
+        _, live, facts = build_programs(cfg, mesh, ["rollout"], hosts=hosts)
+        assert facts["kv_cache"] == "paged"
+        assert pool // ways <= live["kv_cache"] <= pool // ways + 4096, (hosts, live)
+
+
 @needs_libtpu
 def test_unrolled_layers_count_every_layers_flops(tmp_path):
     """Scanned layers: XLA's cost analysis counts the layer loop's body once; unrolled, the

@@ -148,9 +148,13 @@ def test_paper_config_mesh_must_match_slice(capsys):
     rc = tppo(["launch", "--config", "configs/paper_qwen25_32b.yaml", "--tpu-type", "v5p-64",
                "--dry-run"])
     assert rc == 2 and "mesh" in capsys.readouterr().err
-    # On its own slice it does not fit (the plan's KV pages): refused in one line, unless forced
+    # On its own slice it fits (its paged KV pool); reserving every slot's KV at full length
+    # (num_pages=0) does not: refused in one line, unless forced
     argv = ["launch", "--config", "configs/paper_qwen25_32b.yaml", "--tpu-type", "v5p-512",
             "--bucket", "gs://b", "--dry-run", "--plan", "arithmetic"]
+    assert tppo(argv) == 0
+    capsys.readouterr()
+    argv.append("rollout.num_pages=0")
     assert tppo(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1

@@ -83,7 +83,8 @@ def test_num_pages_replaces_full_reservation():
 
 
 def test_paper_scale_v5p_512():
-    cfg = load_config(PAPER)
+    assert plan_memory(load_config(PAPER), "v5p-512")["fits"]  # its paged pool, as shipped
+    cfg = load_config(PAPER, ["rollout.num_pages=0"])  # every slot reserved at full length
     p = plan_memory(cfg, "v5p-512")  # arch from model.path (".../Qwen2.5-32B")
     a = ARCHITECTURES["qwen2.5-32b"]
     rows = p["rows"]
@@ -109,7 +110,8 @@ def test_paper_scale_v5p_512():
 
 def test_plan_cli_prints_table(capsys):
     launch_cli.register(cli.register)
-    assert cli.main(["plan", PAPER, "--topology", "v5p-512", "--arch", "Qwen2.5-32B"]) == 0
+    assert cli.main(["plan", PAPER, "rollout.num_pages=0", "--topology", "v5p-512",
+                     "--arch", "Qwen2.5-32B"]) == 0
     out = capsys.readouterr().out
     for needle in ["v5p-512", "256 chips", "policy optimizer", "KV pages", "DOES NOT FIT",
                    "rollout.num_pages <="]:

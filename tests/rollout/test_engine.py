@@ -257,3 +257,21 @@ def test_prefill_prompts_on_a_short_pool(model, reference):
     ds, out = eng.generate_window(ds, params, 3)
     assert np.asarray(out.count).tolist() == [3, 0]
     assert np.asarray(out.tokens)[0].tolist() == reference[0][0][:3]
+
+
+@pytest.mark.parametrize("kind", ["dense", "paged"])
+def test_prefill_temporaries_do_not_grow_with_the_cache_length(model, kind):
+    """A prefill starts at position 0, so it attends over its own tokens and only writes
+    the cache: its temporaries are those of a 16-token forward whatever the cache's length
+    (through the cache's attention they held ``[B, heads, T, max_len]`` scores)."""
+    temps = {}
+    for max_len in (64, 1024):
+        eng = DecodeEngine(model, eos_ids=(V + 5,), kv_cache=kind, max_slots=4, page_size=8,
+                           max_target_length=max_len, sampling=SamplingParams(greedy=True))
+        ds = jax.eval_shape(eng.init_decode_state)
+        slot = jax.ShapeDtypeStruct((4,), jnp.int32)
+        lowered = eng.lowered("prefill_slots", eng.load_params(), ds,
+                              jax.ShapeDtypeStruct((4, 16), jnp.int32), slot,
+                              jax.ShapeDtypeStruct((4,), jnp.bool_))
+        temps[max_len] = lowered.compile().memory_analysis().temp_size_in_bytes
+    assert temps[1024] < 1.5 * temps[64], temps

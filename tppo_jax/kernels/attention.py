@@ -118,7 +118,7 @@ def resolve_impl(impl: str, q: jax.Array, k: jax.Array, mask: CausalMask,
     platform = platform or jax.default_backend()
     if platform == "tpu":
         # without a mesh context a multi-chip program could not partition the kernel
-        return "splash" if _under_project_mesh() else "chunked"
+        return "splash" if under_project_mesh() else "chunked"
     if platform in ("gpu", "cuda", "rocm") and _cudnn_applies(q, mask):
         return "cudnn"
     if platform == "cpu" and q.shape[1] * k.shape[1] <= AUTO_DENSE_MAX:
@@ -262,7 +262,7 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 # -------------------------------------------------------------------------------- splash
 
 
-def _under_project_mesh() -> bool:
+def under_project_mesh() -> bool:
     """Whether tracing runs under ``jax.set_mesh`` of a (data, fsdp, tensor) mesh."""
     mesh = jax.sharding.get_abstract_mesh()
     return not mesh.empty and set(MESH_AXES) <= set(mesh.axis_names)
@@ -274,7 +274,7 @@ def _splash(q, k, v, mask: CausalMask, block_size: int, interpret: bool) -> jax.
     partitioner cannot split a Mosaic kernel by itself."""
     valid = jnp.ones(k.shape[:2], bool) if mask.kv_valid is None else mask.kv_valid.astype(bool)
     mesh = jax.sharding.get_abstract_mesh()
-    if not _under_project_mesh() or mesh.size == 1:
+    if not under_project_mesh() or mesh.size == 1:
         return _splash_local(q, k, v, valid, mask.q_offset, block_size, interpret)
     row = named_sharding(mesh, ("batch",), valid.shape[:1]).spec[0]
     heads = named_sharding(mesh, ("heads",), q.shape[2:3]).spec[0]

@@ -76,6 +76,12 @@ class KVCache(Protocol):
         """
         ...
 
+    def write(self, layer_idx: jax.Array | int, k: jax.Array, v: jax.Array,
+              positions: jax.Array, valid: jax.Array) -> KVCache:
+        """Stores keys/values ``[B, T, Hkv, D]`` for layer ``layer_idx`` without attending
+        (a prefill from position 0 attends over its own tokens, not the cache)."""
+        ...
+
 
 @struct.dataclass
 class DenseKVCache:
@@ -144,27 +150,32 @@ class DenseKVCache:
         valid: jax.Array,
     ) -> tuple[jax.Array, DenseKVCache]:
         """See ``KVCache.update_and_attend``."""
-        b = q.shape[0]
+        positions = positions.astype(jnp.int32)
+        new = self.write(layer_idx, k, v, positions, valid)
+        layer_k, layer_v = new.k[layer_idx], new.v[layer_idx]
+        # Slots <= the query position were all written by this sequence (prefix is contiguous),
+        # so stale data from an earlier occupant of the row beyond that is never read.
+        mask = jnp.arange(self.max_len)[None, None, :] <= positions[:, :, None]
+        if q.shape[1] == 1:
+            out = decode_attention(q, layer_k, layer_v, mask)
+        else:
+            out = gqa_attention(q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), mask)
+        return out, new
+
+    def write(self, layer_idx: jax.Array | int, k: jax.Array, v: jax.Array,
+              positions: jax.Array, valid: jax.Array) -> DenseKVCache:
+        """See ``KVCache.write``."""
         s_max = self.max_len
         positions = positions.astype(jnp.int32)
         valid = valid.astype(bool)
         # Invalid tokens are routed to an out-of-range slot and dropped by the scatter, so
         # padding never overwrites cached entries of the real sequence.
         slot = jnp.where(valid, positions, s_max)
-        rows = jnp.broadcast_to(jnp.arange(b)[:, None], slot.shape)
+        rows = jnp.broadcast_to(jnp.arange(k.shape[0])[:, None], slot.shape)
         new_k = self.k.at[layer_idx, rows, slot].set(k.astype(self.k.dtype), mode="drop")
         new_v = self.v.at[layer_idx, rows, slot].set(v.astype(self.v.dtype), mode="drop")
-        layer_k, layer_v = new_k[layer_idx], new_v[layer_idx]
-        # Slots <= the query position were all written by this sequence (prefix is contiguous),
-        # so stale data from an earlier occupant of the row beyond that is never read.
-        mask = jnp.arange(s_max)[None, None, :] <= positions[:, :, None]
-        if q.shape[1] == 1:
-            out = decode_attention(q, layer_k, layer_v, mask)
-        else:
-            out = gqa_attention(q, layer_k.astype(q.dtype), layer_v.astype(q.dtype), mask)
         top = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)
-        lengths = jnp.maximum(self.lengths, top)
-        return out, self.replace(k=new_k, v=new_v, lengths=lengths)
+        return self.replace(k=new_k, v=new_v, lengths=jnp.maximum(self.lengths, top))
 
     def shard(self, mesh: Mesh) -> DenseKVCache:
         """Places k/v per ``LOGICAL_AXES`` (batch over data/fsdp, kv heads over tensor)."""

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from tppo_jax.kernels.attention import IMPLS, CausalMask, attention
+from tppo_jax.kernels.attention import IMPLS, CausalMask, attention, under_project_mesh
 from tppo_jax.models.cache import DenseKVCache, KVCache
 from tppo_jax.parallel.mesh import named_sharding
 
@@ -229,10 +229,20 @@ class Attention(nnx.Module):
         return project(self, "o", attention(q, k, v, mask, self.impl))
 
     def with_cache(self, x: jax.Array, positions: jax.Array, valid: jax.Array,
-                   inv_freq: jax.Array, cache: KVCache, layer_idx: jax.Array):
+                   inv_freq: jax.Array, cache: KVCache, layer_idx: jax.Array,
+                   prefill: bool = False):
         """Cached variant: the cache stores k/v and does the attention (``layer_idx``: this
-        layer's index into the cache's stacked ``[L, ...]`` storage, an int32 scalar)."""
+        layer's index into the cache's stacked ``[L, ...]`` storage, an int32 scalar).
+        ``prefill`` (static): the tokens start at position 0, so they attend over
+        themselves with the training attention (``impl``: splash on TPU) and the cache only
+        stores their k/v: no ``[B, T, max_len]`` scores over the cache's full length."""
         q, k, v = self._qkv(x, positions, inv_freq)
+        if prefill:
+            # splash runs per shard under a mesh context (the engine's, when its cache is on
+            # a mesh); without one a multi-chip program could not partition it: chunked
+            impl = "chunked" if self.impl == "splash" and not under_project_mesh() else self.impl
+            out = attention(q, k, v, CausalMask.from_attention_mask(valid), impl)
+            return project(self, "o", out), cache.write(layer_idx, k, v, positions, valid)
         out, cache = cache.update_and_attend(layer_idx, q, k, v, positions, valid)
         return project(self, "o", out), cache
 
@@ -267,9 +277,9 @@ class DecoderLayer(nnx.Module):
         x = x + self.attn(self.attn_norm(x), positions, mask, inv_freq)
         return x + self.mlp(self.mlp_norm(x))
 
-    def with_cache(self, x, positions, valid, inv_freq, cache, layer_idx):
+    def with_cache(self, x, positions, valid, inv_freq, cache, layer_idx, prefill=False):
         a, cache = self.attn.with_cache(self.attn_norm(x), positions, valid, inv_freq, cache,
-                                        layer_idx)
+                                        layer_idx, prefill)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), cache
 
@@ -347,16 +357,17 @@ class Backbone(nnx.Module):
         return self.final_norm(x)
 
     def with_cache(self, tokens: jax.Array, positions: jax.Array, cache: KVCache,
-                   valid: jax.Array) -> tuple[jax.Array, KVCache]:
+                   valid: jax.Array, prefill: bool = False) -> tuple[jax.Array, KVCache]:
         """Cached forward of new tokens ``[B, T]`` -> (hidden ``[B, T, H]``, new cache).
 
         The cache rides in the scan's carry: each layer scatters its new k/v into the stacked
-        ``[L, ...]`` storage at its index in place, so no step copies the cache."""
+        ``[L, ...]`` storage at its index in place, so no step copies the cache. ``prefill``:
+        see ``Attention.with_cache``."""
         inv_freq = rope_inv_freq(self.config)
         x = jnp.take(self.embed[...], tokens, axis=0)
 
         def step(layer: DecoderLayer, c: tuple[jax.Array, KVCache], i: jax.Array):
-            return layer.with_cache(c[0], positions, valid, inv_freq, c[1], i)
+            return layer.with_cache(c[0], positions, valid, inv_freq, c[1], i, prefill)
 
         x, cache = self.scan_layers(step, (x, cache))
         return self.final_norm(x), cache
@@ -403,7 +414,8 @@ class Transformer(nnx.Module):
         return DenseKVCache.init(*args)
 
     def forward_with_cache(self, tokens: jax.Array, positions: jax.Array, cache: KVCache, *,
-                           valid: jax.Array) -> tuple[jax.Array, KVCache]:
+                           valid: jax.Array, prefill: bool = False
+                           ) -> tuple[jax.Array, KVCache]:
         """Prefill or decode step through a KV cache.
 
         Args:
@@ -411,11 +423,13 @@ class Transformer(nnx.Module):
           positions: ``[B, T]`` their absolute positions.
           cache: any ``KVCache`` (dense or paged).
           valid: ``[B, T]`` bool; invalid tokens are not cached and their logits are junk.
+          prefill: static; every row's tokens start at position 0 (``positions`` is
+            ``0..T-1``): they attend over themselves, and the cache is only written.
 
         Returns:
           ``(logits [B, T, V] float32, new_cache)``.
         """
-        hidden, cache = self.backbone.with_cache(tokens, positions, cache, valid)
+        hidden, cache = self.backbone.with_cache(tokens, positions, cache, valid, prefill)
         return self.logits_from_hidden(hidden), cache
 
 

@@ -98,7 +98,7 @@ def prefill(model: nnx.Module, cache: KVCache, tokens: Array, lengths: Array, ro
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     valid = (positions < (lengths - 1)[:, None]) & rows[:, None]
-    _, cache = model.forward_with_cache(tokens, positions, cache, valid=valid)
+    _, cache = model.forward_with_cache(tokens, positions, cache, valid=valid, prefill=True)
     return cache
 
 

@@ -166,6 +166,40 @@ class PagedKVCache:
             self.pages, self.k, self.v, self.slots, q, k, v, positions, valid, layer_idx)
         return out, self.replace(pages=pages, k=k_all, v=v_all)
 
+    def write(self, layer_idx: Array | int, k: Array, v: Array, positions: Array,
+              valid: Array) -> PagedKVCache:
+        """See ``KVCache.write``: k/v ``[B,T,Hkv,D]`` into the pages, no attention."""
+        positions = positions.astype(jnp.int32)
+        valid = valid.astype(bool)
+        layer_idx = jnp.asarray(layer_idx, jnp.int32)
+        if self.split is None:
+            pages, k_all, v_all = _write(self.pages, self.k, self.v, self.slots, k, v,
+                                         positions, valid, layer_idx)
+            return self.replace(pages=pages, k=k_all, v=v_all)
+        sp = self.split
+
+        def local(pages, k_pool, v_pool, slots, k, v, positions, valid, layer_idx):
+            slots = slots - sp.block_index() * pages.num_slots  # global -> block-local
+            return _write(pages, k_pool, v_pool, slots, k, v, positions, valid, layer_idx)
+
+        heads, rows = P(sp._entry, None, sp.heads, None), sp.rows
+        pages, k_all, v_all = sp.run(
+            local, (rows, sp.pool, sp.pool, rows, heads, heads, rows, rows, P()),
+            (rows, sp.pool, sp.pool))(
+            self.pages, self.k, self.v, self.slots, k, v, positions, valid, layer_idx)
+        return self.replace(pages=pages, k=k_all, v=v_all)
+
+
+def _write(pages: pg.PageState, k_pool: Array, v_pool: Array, slots: Array, k: Array,
+           v: Array, positions: Array, valid: Array, layer_idx: Array
+           ) -> tuple[pg.PageState, Array, Array]:
+    """Scatters ``k, v [B,T,Hkv,D]`` into ``k_pool, v_pool [L,Hkv,N,ps,D]`` at the rows'
+    slots (``[B]``) and extends their lengths. Returns ``(pages, k_pool, v_pool)``."""
+    k_all, v_all = pg.write_kv(k_pool, v_pool, pages, slots, positions, k, v, valid,
+                               layer=layer_idx)
+    top = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)  # [B]
+    return pages.replace(slot_len=pages.slot_len.at[slots].max(top)), k_all, v_all
+
 
 def _write_and_attend(impl: str, pages: pg.PageState, k_pool: Array, v_pool: Array,
                       slots: Array, q: Array, k: Array, v: Array, positions: Array,
@@ -174,11 +208,9 @@ def _write_and_attend(impl: str, pages: pg.PageState, k_pool: Array, v_pool: Arr
     """One layer on one pool: scatter ``k, v [B,T,Hkv,D]`` into ``k_pool, v_pool
     [L,Hkv,N,ps,D]`` at the rows' slots (``[B]``, ids into ``pages``) and attend with ``q
     [B,T,Hq,D]``. Returns ``(out [B,T,Hq,D], pages, k_pool, v_pool)``."""
-    k_all, v_all = pg.write_kv(k_pool, v_pool, pages, slots, positions, k, v, valid,
-                               layer=layer_idx)
+    pages, k_all, v_all = _write(pages, k_pool, v_pool, slots, k, v, positions, valid,
+                                 layer_idx)
     kp, vp = k_all[layer_idx], v_all[layer_idx]
-    top = jnp.max(jnp.where(valid, positions + 1, 0), axis=1)  # [B]
-    pages = pages.replace(slot_len=pages.slot_len.at[slots].max(top))
     table, lengths = pg.attention_inputs(pages, slots)
     if q.shape[1] == 1:
         # Decode: the query at position p sees exactly [0, p] (its own causal limit, even

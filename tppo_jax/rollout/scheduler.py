@@ -112,14 +112,18 @@ MAX_IDLE_STEPS = 3
 
 
 def make_engine(model: nnx.Module, rollout: RolloutConfig, *, eos_ids: tuple[int, ...],
-                sampling: SamplingParams, seed: int = 0, mesh: Any = None) -> DecodeEngine:
+                sampling: SamplingParams, seed: int = 0, mesh: Any = None,
+                split_pages: bool | None = None) -> DecodeEngine:
     """The rollout's ``DecodeEngine`` for ``rollout``: ``slots`` slots of prompt + L
     positions; a dense cache laid out on ``mesh``; a paged pool off it with one process, with
     several split into one block of slots and ``num_pages / blocks`` pages per batch shard
-    of ``mesh`` (each host's pages serve its own slots)."""
+    of ``mesh`` (each host's pages serve its own slots). ``split_pages``: split the paged
+    pool whatever the process count (the compile path's slice of many hosts; None: several
+    processes)."""
     r = rollout
     kind = kv_slots.resolve_kind(r.kv_cache)
-    on_mesh = kind == "dense" or jax.process_count() > 1
+    split = jax.process_count() > 1 if split_pages is None else split_pages
+    on_mesh = kind == "dense" or split
     return DecodeEngine(model, eos_ids=eos_ids, max_slots=r.slots,
                         max_target_length=r.max_prompt_len + r.max_response_len,
                         max_new_tokens=r.max_response_len, kv_cache=kind,
