@@ -135,7 +135,7 @@ def abstract_models(cfg: Config, mesh: Any, mc: Any = None) -> dict[str, Any]:
     from tppo_jax.models.lora import add_lora, lora_spec
     from tppo_jax.models.transformer import Transformer, param_shardings
     from tppo_jax.models.value import ValueModel
-    from tppo_jax.train.trainable import share_base, shares_base
+    from tppo_jax.trainer.trainable import share_base, shares_base
 
     mc = mc or model_config(cfg)
     spec = lora_spec(cfg.model)
@@ -204,7 +204,12 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.rollout.engine import EngineParams
     from tppo_jax.rollout.scheduler import make_engine
-    from tppo_jax.train.trainable import shares_base, split_trainable, trainable_keys, trained_part
+    from tppo_jax.trainer.trainable import (
+        shares_base,
+        split_trainable,
+        trainable_keys,
+        trained_part,
+    )
 
     want = set(only or KINDS)
     r, o = cfg.rollout, cfg.optim

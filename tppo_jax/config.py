@@ -110,7 +110,7 @@ class AlgoConfig:
     critic_warmup_steps: int = 0  # first steps train the critic only (inside the budget)
     # VAPO's value pretraining: critic-only steps on full-length rollouts of the starting
     # policy before step 1, outside train.time_budget_s, cached beside the run dir so runs
-    # that would pretrain the same critic share it (train/value_pretrain.py); 0 = off
+    # that would pretrain the same critic share it (trainer/value_pretrain.py); 0 = off
     value_pretrain_steps: int = 0
     # The advantage estimator, by its registered name (learner/estimators.py): "critic" =
     # EGAE on the critic's values; "group" = a finished row's reward minus the mean reward of
@@ -155,7 +155,7 @@ class OptimConfig:
     value_epochs: int | None = None
     # Decay of an exponential moving average of the policy's params, stepped once per
     # training step (0: off). On, the average is the run's result: its held-out evals,
-    # checkpoints' ``policy_ema`` item, eval / export / serve (train/ema.py); rollouts still
+    # checkpoints' ``policy_ema`` item, eval / export / serve (trainer/ema.py); rollouts still
     # sample from the live params
     policy_ema: float = 0.0
 

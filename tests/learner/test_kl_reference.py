@@ -19,7 +19,7 @@ from tppo_jax import algo
 from tppo_jax.config import AlgoConfig, OptimConfig, load_config
 from tppo_jax.learner import LearnerConfig, RowPlan
 from tppo_jax.models.transformer import ModelConfig, create_model
-from tppo_jax.train.setup import setup
+from tppo_jax.trainer.trainer import setup
 
 
 def test_k3_hand_computed():
@@ -85,8 +85,8 @@ SMALL = ["train.warmstart_steps=20", "logging.tensorboard=false", "train.compile
 
 @pytest.mark.slow  # ~59 s in one process on 2 shared cores
 def test_run_reference_is_the_starting_policy_and_survives_updates(tmp_path):
-    from tppo_jax.train import loop
-    from tppo_jax.train.collect import collect
+    from tppo_jax.trainer import loop
+    from tppo_jax.trainer.collect import collect
 
     cfg = load_config("smoke", [*SMALL, "train.steps=3", "algo.critic_warmup_steps=0"])
     with contextlib.ExitStack() as stack:

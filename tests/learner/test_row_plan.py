@@ -16,7 +16,7 @@ from tppo_jax.learner import Learner, LearnerConfig, RowPlan, TrainState
 from tppo_jax.learner.plan import group_rows, plan_cells, plan_update
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.models.value import ValueModel
-from tppo_jax.train.shapes import CompileWatch
+from tppo_jax.trainer.compile_watch import CompileWatch
 
 
 def test_width_and_row_buckets():

@@ -15,7 +15,7 @@ from tppo_jax.learner import Learner, LearnerConfig, TrainBatch, compute_targets
 from tppo_jax.learner.optim import lr_schedule, make_optimizer, updates_per_step
 from tppo_jax.learner.plan import plan_update
 from tppo_jax.models.transformer import ModelConfig, create_model
-from tppo_jax.train.batch import shuffle_keys
+from tppo_jax.trainer.batch import shuffle_keys
 
 B, S = 8, 10
 

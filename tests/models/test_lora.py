@@ -29,7 +29,7 @@ from tppo_jax.models.lora import (
 from tppo_jax.models.transformer import PROJECTIONS, ModelConfig, Transformer, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel.mesh import make_mesh
-from tppo_jax.train.trainable import VALUE_HEAD
+from tppo_jax.trainer.trainable import VALUE_HEAD
 
 ALL = LoraSpec(rank=4, alpha=8.0, targets=LORA_TARGETS)
 
@@ -264,7 +264,7 @@ def test_policy_update_on_a_mesh_matches_the_unsharded_one(devices8):
                          tx.init(split_trainable(params)[0]), *batch, ALL_ROWS)
     shard_model(model, mesh)
     placed = nnx.to_pure_dict(nnx.state(model))
-    opt = commit_to_mesh(tx.init(split_trainable(placed)[0]), mesh)  # as train/setup.py
+    opt = commit_to_mesh(tx.init(split_trainable(placed)[0]), mesh)  # as trainer/trainer.py
     state = TrainState(placed, None, opt, None)  # no critic: only the policy updates
     learner = learner_with(graphdef, None, cfg, tx_policy=tx, mesh=mesh, state=state,
                            trainable=((), None))

@@ -209,7 +209,7 @@ def _overrides(args: argparse.Namespace, L: int, seed: int, method: str) -> list
 def _train_run(args: argparse.Namespace, L: int, seed: int, method: str, run_dir: Path) -> None:
     """One (method, seed) run from scratch (its old run dir removed), to target or budget."""
     from tppo_jax.config import load_config
-    from tppo_jax.train.loop import train
+    from tppo_jax.trainer.loop import train
 
     cfg = load_config(args.config, _overrides(args, L, seed, method))
     if run_dir.exists():
@@ -307,7 +307,7 @@ def _length_report(runs: Path, cfg) -> dict | None:
 
     from tppo_jax.data.run_data import synthetic_task
     from tppo_jax.models.tokenizer import Tokenizer
-    from tppo_jax.train.warmstart import warmstart_key
+    from tppo_jax.trainer.warmstart import warmstart_key
 
     tok_file = runs / f"warmstart-{warmstart_key(cfg)}" / "tokenizer.model"
     if cfg.data.source != "synthetic" or not tok_file.exists():

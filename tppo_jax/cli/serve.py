@@ -129,7 +129,7 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path, *, start
     from tppo_jax.data.synthetic import SyntheticMathTask
     from tppo_jax.models.tokenizer import train_sentencepiece
     from tppo_jax.models.transformer import create_model
-    from tppo_jax.train.warmstart import tiny_model_config
+    from tppo_jax.trainer.warmstart import tiny_model_config
 
     banner = "!" * 78
     msg = ("no checkpoint and no runs/warmstart-*/policy found: serving a FRESHLY INITIALISED "

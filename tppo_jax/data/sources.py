@@ -4,7 +4,7 @@ The order is fixed so a name never means two things: a local path that exists wi
 ``.jsonl`` / ``.parquet`` file, or a folder: ``save_to_disk`` output or data files); otherwise
 an ``owner/name`` id is a Hub dataset, read through the ``datasets`` library
 (:mod:`tppo_jax.data.hub`) with ``data.hf_config``, ``data.split`` and ``data.hf_revision``;
-anything else is a missing file. ``synthetic`` is not read here (``train/setup.py`` builds it).
+anything else is a missing file. ``synthetic`` is not read here (``trainer/trainer.py`` builds it).
 """
 
 from __future__ import annotations
