@@ -186,3 +186,15 @@ def test_gradient_accumulation_matches_one_big_batch():
         outs.append(jax.device_get(new))
     for a, b2 in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
         np.testing.assert_allclose(a, b2, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow  # compiles a learner step of the tiny model
+def test_the_python_docs_learner_example_runs(capsys):
+    """docs/python.md's ``Learner.step`` example, as written, trains one step."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "python.md").read_text()
+    block = text.split("## The learner on its own arrays", 1)[1].split("```python\n", 1)[1]
+    exec(compile(block.split("```", 1)[0], "docs/python.md", "exec"), {})
+    step, policy_loss, value_loss = capsys.readouterr().out.split()
+    assert step == "1" and np.isfinite(float(policy_loss)) and float(value_loss) > 0
