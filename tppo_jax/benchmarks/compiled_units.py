@@ -7,9 +7,10 @@ give each program's cost at the real count ``L`` (the JSONs' ``model.layers``) b
 
     x(L) = x(N1) + (L - N1) (x(N2) - x(N1)) / (N2 - N1)
 
-for ``flops`` and ``bytes_accessed``. Writes a compiled-programs JSON (``model.scanned_layers:
-false``, ``model.extrapolated_from: [N1, N2]``) that ``tppo bench cost-model --compiled``
-reads. Memory figures (peak, resident, fits) are the small models' and are dropped.
+for ``flops``, ``bytes_accessed`` and the decode window's ``kv_bytes``. Writes a
+compiled-programs JSON (``model.scanned_layers: false``, ``model.extrapolated_from: [N1,
+N2]``) that ``tppo bench cost-model --compiled`` reads. Memory figures (peak, resident,
+fits) are the small models' and are dropped.
 
     tppo bench compiled-units /tmp/units_l2.json /tmp/units_l4.json \\
         --out results/compiled_units_paper_qwen25_32b_v5p-512.json
@@ -24,7 +25,7 @@ from pathlib import Path
 # Memory figures of the small compiles: not extrapolated (not the real model's).
 MEMORY_KEYS = ("arguments", "outputs", "temporaries", "aliased", "peak", "live_outside",
                "resident", "peak_gib", "resident_gib", "fits_alone", "fits")
-COSTS = ("flops", "bytes_accessed")
+COSTS = ("flops", "bytes_accessed", "kv_bytes")  # kv_bytes: the decode window's cache
 
 
 def _layers(rep: dict, path: str) -> tuple[int, int]:
@@ -55,7 +56,7 @@ def extrapolate(a: dict, b: dict, names: tuple[str, str] = ("a", "b")) -> dict:
         if not p.get("compiled", True) or q is None:
             continue
         rec = {k: v for k, v in p.items() if k not in MEMORY_KEYS and k != "compile_s"}
-        for k in COSTS:
+        for k in (c for c in COSTS if c in p and c in q):
             rec[k] = p[k] + (real - n1) * (q[k] - p[k]) / (n2 - n1)
             rec[f"{k}_per_layer"] = (q[k] - p[k]) / (n2 - n1)
         rec["compile_s"] = {str(n1): p.get("compile_s"), str(n2): q.get("compile_s")}

@@ -532,9 +532,10 @@ def paper_scale(args: argparse.Namespace, arch, t_grade: float, sample_ratio: fl
 
     def units(**kw) -> Units:
         a = {"decode_tp": args.decode_tp, "step_floor_s": args.step_floor_ms / 1e3,
-             "reshard_s": args.reshard_s, "ici_bw": args.ici_gbs * 1e9, **kw}
+             "reshard_s": args.reshard_s, "ici_bw": args.ici_gbs * 1e9, "compiled": compiled,
+             **kw}
         return accelerator_units(arch, slots, args.chips, args.device, args.mfu, args.bw_eff,
-                                 t_grade, args.grader_workers, compiled=compiled, **a)
+                                 t_grade, args.grader_workers, **a)
 
     acc = units()
     n_pol, n_val = matmul_params(arch)
@@ -573,6 +574,14 @@ def paper_scale(args: argparse.Namespace, arch, t_grade: float, sample_ratio: fl
         "4 batches (the drain inside)": _with_drain(big[:slots * 4], slots, args, acc,
                                                     sample_ratio),
     }
+    if compiled is not None:
+        # XLA's bytes_accessed of a decode step counts whole operands (the paged pool's
+        # gathers and in-place updates): beside it, the step reading the weights once.
+        weights = replace(compiled, decode_bytes_per_step=2 * n_pol / args.decode_tp)
+        out["decode_step_s"] = {"compiled": acc.t_step,
+                                "weights_read": units(compiled=weights).t_step}
+        out["sensitivity"]["compiled FLOPs, decode bytes = the weights read per step"] = \
+            cmp(u=units(compiled=weights))["projection"]
     return out
 
 
