@@ -261,6 +261,11 @@ def test_paper_scale_takes_its_units_from_a_compiled_json(tmp_path):
     h = out["headline"]
     assert h["speedup"] == pytest.approx(1 / (h["f"] / h["r_d"] + (1 - h["f"]) * h["r_u"]))
     assert [s["f"] for s in out["published_shares"]] == [0.41, 0.50, 0.70, 0.60, 0.64]
+    # beside the compiled decode bytes: the step reading the weights once (2 N / decode_tp)
+    steps = out["decode_step_s"]
+    assert steps["weights_read"] == pytest.approx(
+        3e-3 + max(2 * 31985308672 / 8 / (2765e9 * 0.7), 2 * 32e9 * 64 / 4 / flops))
+    assert "compiled FLOPs, decode bytes = the weights read per step" in out["sensitivity"]
 
 
 def test_compiled_units_refuse_scanned_layers(tmp_path):
