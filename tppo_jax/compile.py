@@ -109,11 +109,13 @@ def _on_mesh(tree: Any, mesh: Any) -> Any:
                         else _sds(x, rep), tree)
 
 
-def model_config(cfg: Config, unroll_layers: bool = False) -> Any:
+def model_config(cfg: Config, unroll_layers: bool = False, layers: int | None = None) -> Any:
     """The ``ModelConfig`` a run of ``cfg`` builds (shapes from ``plan.resolve_arch``: the
     Hub/folder name, or the tiny model's sizes), with its remat setting. ``unroll_layers``:
     the layers as straight-line code, so that XLA's cost analysis (which counts a loop body
-    once) counts every layer's FLOPs and bytes."""
+    once) counts every layer's FLOPs and bytes; ``layers``: that many decoder layers in place
+    of the model's (unit costs extrapolated from two small compiles,
+    ``benchmarks/compiled_units.py``)."""
     from tppo_jax.plan import resolve_arch
 
     a = resolve_arch(cfg)
@@ -121,10 +123,15 @@ def model_config(cfg: Config, unroll_layers: bool = False) -> Any:
     remat = m.remat or m.source == "tiny"
     # The target is a TPU: ``auto`` is splash there (traced under the mesh, see below)
     attention = "splash" if m.attention == "auto" else m.attention
-    return a.model_config(dtype=m.dtype, remat=remat, attention=attention,
-                          unroll_layers=unroll_layers,
-                          max_position_embeddings=max(m.max_seq_len, cfg.rollout.max_prompt_len
-                                                      + cfg.rollout.max_response_len))
+    mc = a.model_config(dtype=m.dtype, remat=remat, attention=attention,
+                        unroll_layers=unroll_layers,
+                        max_position_embeddings=max(m.max_seq_len, cfg.rollout.max_prompt_len
+                                                    + cfg.rollout.max_response_len))
+    if layers is not None:
+        if layers < 1:
+            raise ConfigError(f"--layers {layers}: needs at least one layer")
+        mc = replace(mc, num_layers=layers)
+    return mc
 
 
 def abstract_models(cfg: Config, mesh: Any, mc: Any = None) -> dict[str, Any]:
@@ -180,13 +187,14 @@ def _rows_batch(record: type, rows: int, width: int, sharding: Any) -> Any:
 
 
 def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
-                   hosts: int = 1, widest: bool = False, unroll_layers: bool = False
+                   hosts: int = 1, widest: bool = False, unroll_layers: bool = False,
+                   layers: int | None = None
                    ) -> tuple[list[Program], dict[str, int], dict[str, Any]]:
     """``(programs, live state bytes per chip by name, facts)`` of one step of ``cfg`` on
     ``mesh`` (abstract devices of a slice of ``hosts`` hosts). ``only``: the kinds to build
     (default all), in this order; ``widest``: the row-group programs at the widest width
     bucket only (their peak: every group holds about the same token cells, and attention
-    grows with the width); ``unroll_layers``: see ``model_config``."""
+    grows with the width); ``unroll_layers``, ``layers``: see ``model_config``."""
     from tppo_jax.eval.heldout import EvalEngines, decode_and_grade
     from tppo_jax.eval.protocol import run_protocol
     from tppo_jax.learner import (
@@ -213,7 +221,7 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
 
     want = set(only or KINDS)
     r, o = cfg.rollout, cfg.optim
-    models = abstract_models(cfg, mesh, model_config(cfg, unroll_layers))
+    models = abstract_models(cfg, mesh, model_config(cfg, unroll_layers, layers))
     pdef, pparams = models["policy"]
     vdef, vparams = models["value"]
     keep_p, keep_v = trainable_keys(cfg)
@@ -419,11 +427,13 @@ def compile_program(p: Program, live: dict[str, int], hbm: int) -> dict[str, Any
 def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = None,
                  stop_early: bool = False, widest: bool = False, config_name: str = "",
                  progress: Callable[[str], None] | None = None,
-                 out: str | None = None, unroll_layers: bool = False) -> dict[str, Any]:
+                 out: str | None = None, unroll_layers: bool = False,
+                 layers: int | None = None) -> dict[str, Any]:
     """Builds and compiles every program of a step of ``cfg`` for ``topo``; the report (JSON
     data). ``only``: program kinds (``KINDS``), compiled in that order; ``stop_early``: stop at
     the first program that does not fit; ``widest``: see ``build_programs``; ``out``: the
-    report is written there after every program (a long compile keeps what it has done).
+    report is written there after every program (a long compile keeps what it has done);
+    ``unroll_layers``, ``layers``: see ``model_config``.
     Raises ``TopologyError`` / ``ConfigError`` (one line) on bad input."""
     from tppo_jax.parallel.mesh import make_mesh
     from tppo_jax.plan import resolve_mesh
@@ -437,7 +447,7 @@ def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = No
     mesh = make_mesh(sizes, devices)
     t0 = time.perf_counter()
     programs, live, facts = build_programs(cfg, mesh, only, hosts=topo.hosts, widest=widest,
-                                           unroll_layers=unroll_layers)
+                                           unroll_layers=unroll_layers, layers=layers)
     records: list[dict[str, Any]] = []
 
     def report() -> dict[str, Any]:
@@ -446,7 +456,7 @@ def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = No
             "config": config_name, "topology": topo.name, "topology_desc": topo.topology_name,
             "chips": topo.chips, "hosts": topo.hosts, "hbm_per_chip": topo.hbm_bytes,
             "hbm_gib": round(topo.hbm_bytes / GIB, 2), "mesh": sizes,
-            "model": models_summary(cfg, unroll_layers), **facts,
+            "model": models_summary(cfg, unroll_layers, layers), **facts,
             "attention": model_config(cfg).attention,
             "jax": jax.__version__, "libtpu": libtpu_version(),
             "live": live, "live_gib": round(sum(live.values()) / GIB, 3),
@@ -473,12 +483,16 @@ def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = No
     return report()
 
 
-def models_summary(cfg: Config, unroll_layers: bool = False) -> dict[str, Any]:
+def models_summary(cfg: Config, unroll_layers: bool = False, layers: int | None = None
+                   ) -> dict[str, Any]:
     """``scanned_layers``: the programs run the layers in a loop, whose body XLA's cost
-    analysis counts once: ``flops`` and ``bytes_accessed`` then hold one layer's share."""
-    mc = model_config(cfg, unroll_layers)
+    analysis counts once: ``flops`` and ``bytes_accessed`` then hold one layer's share.
+    ``layers``: the model's layer count; ``num_layers_compiled``: the programs' (``--layers``;
+    memory figures then are those of the smaller model)."""
+    mc = model_config(cfg, unroll_layers, layers)
     return {"path": cfg.model.path, "source": cfg.model.source, "dtype": mc.dtype,
-            "layers": mc.num_layers, "hidden": mc.hidden_size, "remat": mc.remat,
+            "layers": model_config(cfg).num_layers, "num_layers_compiled": mc.num_layers,
+            "hidden": mc.hidden_size, "remat": mc.remat,
             "lora_rank": cfg.model.lora_rank, "scanned_layers": not unroll_layers}
 
 

@@ -261,6 +261,11 @@ def test_paper_scale_takes_its_units_from_a_compiled_json(tmp_path):
     h = out["headline"]
     assert h["speedup"] == pytest.approx(1 / (h["f"] / h["r_d"] + (1 - h["f"]) * h["r_u"]))
     assert [s["f"] for s in out["published_shares"]] == [0.41, 0.50, 0.70, 0.60, 0.64]
+    # beside the compiled decode bytes: the step reading the weights once (2 N / decode_tp)
+    steps = out["decode_step_s"]
+    assert steps["weights_read"] == pytest.approx(
+        3e-3 + max(2 * 31985308672 / 8 / (2765e9 * 0.7), 2 * 32e9 * 64 / 4 / flops))
+    assert "compiled FLOPs, decode bytes = the weights read per step" in out["sensitivity"]
 
 
 def test_compiled_units_refuse_scanned_layers(tmp_path):
@@ -270,3 +275,47 @@ def test_compiled_units_refuse_scanned_layers(tmp_path):
                                 "programs": []}))
     with pytest.raises(SystemExit, match="--unroll-layers"):
         load_compiled(path)
+
+
+def _small_compile(layers: int, flops: dict, nbytes: dict) -> dict:
+    """A ``tppo plan --compile --unroll-layers --layers N`` report of a 10-layer model."""
+    return {"config": "toy", "topology": "v5p-8", "chips": 4,
+            "model": {"layers": 10, "num_layers_compiled": layers, "scanned_layers": False},
+            "live": {"kv_cache": 1}, "fits": True, "compile_s": 1.0,
+            "programs": [{"name": n, "kind": k, "compiled": True, "peak": 7, "fits": True,
+                          "flops": flops[n], "bytes_accessed": nbytes[n], "compile_s": 0.5,
+                          **meta}
+                         for n, k, meta in (("rollout_window[l=8]", "rollout",
+                                             {"slots": 4, "decode_steps": 1, "kv_bytes": 0}),
+                                            ("policy_update[w=16]", "policy_update",
+                                             {"rows": 2, "width": 16, "tokens": 32}))]}
+
+
+def test_compiled_units_extrapolate_two_small_compiles_per_layer(tmp_path):
+    """x(L) = x(N1) + (L - N1) (x(N2) - x(N1)) / (N2 - N1) per program, the memory figures
+    dropped; ``load_compiled`` reads the result (and refuses a lone small compile)."""
+    from tppo_jax.benchmarks.compiled_units import extrapolate
+
+    pol, win = "policy_update[w=16]", "rollout_window[l=8]"
+    a = _small_compile(2, {pol: 300.0, win: 40.0}, {pol: 1000.0, win: 80.0})
+    b = _small_compile(4, {pol: 500.0, win: 60.0}, {pol: 1400.0, win: 100.0})
+    out = extrapolate(b, a, ("l4.json", "l2.json"))  # either order
+    assert out["model"]["extrapolated_from"] == [2, 4]
+    assert out["model"]["scanned_layers"] is False and out["sources"] == ["l2.json", "l4.json"]
+    p = {r["name"]: r for r in out["programs"]}
+    # 10 layers: 300 + 8 * 100 = 1100; 1000 + 8 * 200 = 2600; 40 + 8 * 10 = 120; 80 + 8 * 10
+    assert (p[pol]["flops"], p[pol]["bytes_accessed"]) == (1100.0, 2600.0)
+    assert (p[win]["flops"], p[win]["bytes_accessed"]) == (120.0, 160.0)
+    assert p[pol]["flops_per_layer"] == 100.0 and p[pol]["tokens"] == 32
+    assert not {"peak", "fits"} & set(p[pol]) and "live" not in out and "memory" in out
+    path = tmp_path / "units.json"
+    path.write_text(json.dumps(out))
+    c = load_compiled(path)
+    assert c.update_flops_per_token == 1100.0 / 32 and c.decode_flops_per_token == 120.0 / 4
+    assert c.decode_bytes_per_step == 160.0
+    lone = tmp_path / "l2.json"
+    lone.write_text(json.dumps(a))
+    with pytest.raises(SystemExit, match="compiled-units"):
+        load_compiled(lone)
+    with pytest.raises(SystemExit, match="two layer counts"):
+        extrapolate(a, a)

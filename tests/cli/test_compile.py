@@ -176,6 +176,19 @@ def test_unrolled_layers_count_every_layers_flops(tmp_path):
     assert flops[True] > 1.3 * flops[False], flops
 
 
+@needs_libtpu
+@pytest.mark.slow  # ~9 s on 2 shared cores
+def test_layers_compiles_fewer_layers_and_records_both_counts(tmp_path):
+    """``--layers N``: the model with N decoder layers (unit costs per layer,
+    ``benchmarks/compiled_units.py``); the report names the real count beside it."""
+    out = tmp_path / "l1.json"
+    assert cli.main(["plan", "smoke", *SMALL, "--topology", "v5e:2x2", "--compile",
+                     "--programs", "policy_update", "--widest", "--unroll-layers",
+                     "--layers", "1", "--out", str(out)]) == 0
+    m = json.loads(out.read_text())["model"]
+    assert m["num_layers_compiled"] == 1 and m["layers"] > 1 and not m["scanned_layers"]
+
+
 def test_a_critic_sharing_the_lora_base_counts_only_its_own_leaves(devices8):
     from tppo_jax.compile import build_programs
     from tppo_jax.config import load_config

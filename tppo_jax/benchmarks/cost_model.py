@@ -31,7 +31,8 @@ Unit costs come from
   plus attention, at ``--mfu``; after each update the policy is resharded from the training
   layout into the decode layout (``t_reshard``, ``--reshard-s`` or its ICI estimate); grading
   is the measured CPU cost per sample over ``--grader-workers`` processes. With ``--compiled
-  FILE`` the decode and update FLOPs and bytes come from compiled programs (``load_compiled``).
+  FILE`` the decode and update FLOPs and bytes come from compiled programs (``load_compiled``;
+  at paper scale two small unrolled compiles extrapolated per layer, ``compiled_units.py``).
 
 Both methods are assumed to reach the target after the same number of finished samples
 (``--sample-ratio``), so the time-to-target ratio is the ratio of seconds per finished
@@ -230,7 +231,9 @@ def load_compiled(path: Path) -> Compiled:
     read, subtracted since the replay charges the live prefix) and the policy and value
     updates (``policy_update[w=...]`` / ``value_update[...]``: ``tokens``, or ``rows x
     width``; the width buckets summed: FLOPs over tokens across them, attention inside).
-    Programs that did not compile, and the rest, are skipped."""
+    Programs that did not compile, and the rest, are skipped. Accepted: unrolled compiles of
+    the whole model, or two compiles of fewer layers extrapolated to it
+    (``compiled_units.py``, ``model.extrapolated_from``); refused: scanned layers."""
     try:
         data = json.loads(Path(path).read_text())
         progs = data["programs"]
@@ -238,10 +241,16 @@ def load_compiled(path: Path) -> Compiled:
                 else [(p["name"], p) for p in progs])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path}: not a compiled-programs JSON ({e})") from None
-    if (data.get("model") or {}).get("scanned_layers"):
+    model = data.get("model") or {}
+    if model.get("scanned_layers"):
         raise SystemExit(f"{path}: its programs scan the layers and XLA counts a loop body once "
                          f"(one layer's FLOPs and bytes); compile with `tppo plan ... --compile "
                          f"--unroll-layers` for unit costs")
+    compiled_layers = model.get("num_layers_compiled")
+    if not model.get("extrapolated_from") and compiled_layers not in (None, model.get("layers")):
+        raise SystemExit(f"{path}: compiled with {compiled_layers} of the model's "
+                         f"{model.get('layers')} layers; extrapolate two such compiles "
+                         f"(`tppo bench compiled-units`)")
     roles: dict[str, list[dict]] = {}
     for name, rec in recs:
         role = _program_role(name, rec)
@@ -523,9 +532,10 @@ def paper_scale(args: argparse.Namespace, arch, t_grade: float, sample_ratio: fl
 
     def units(**kw) -> Units:
         a = {"decode_tp": args.decode_tp, "step_floor_s": args.step_floor_ms / 1e3,
-             "reshard_s": args.reshard_s, "ici_bw": args.ici_gbs * 1e9, **kw}
+             "reshard_s": args.reshard_s, "ici_bw": args.ici_gbs * 1e9, "compiled": compiled,
+             **kw}
         return accelerator_units(arch, slots, args.chips, args.device, args.mfu, args.bw_eff,
-                                 t_grade, args.grader_workers, compiled=compiled, **a)
+                                 t_grade, args.grader_workers, **a)
 
     acc = units()
     n_pol, n_val = matmul_params(arch)
@@ -564,6 +574,14 @@ def paper_scale(args: argparse.Namespace, arch, t_grade: float, sample_ratio: fl
         "4 batches (the drain inside)": _with_drain(big[:slots * 4], slots, args, acc,
                                                     sample_ratio),
     }
+    if compiled is not None:
+        # XLA's bytes_accessed of a decode step counts whole operands (the paged pool's
+        # gathers and in-place updates): beside it, the step reading the weights once.
+        weights = replace(compiled, decode_bytes_per_step=2 * n_pol / args.decode_tp)
+        out["decode_step_s"] = {"compiled": acc.t_step,
+                                "weights_read": units(compiled=weights).t_step}
+        out["sensitivity"]["compiled FLOPs, decode bytes = the weights read per step"] = \
+            cmp(u=units(compiled=weights))["projection"]
     return out
 
 

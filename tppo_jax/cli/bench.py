@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 BENCHMARKS = {"tppo-vs-ppo": "tppo_vs_ppo", "decode": "decode", "intensity": "intensity",
               "accelerator": "accelerator", "cost-model": "cost_model",
+              "compiled-units": "compiled_units",
               "prefill-width": "prefill_width", "learning": "learning",
               "lora-export": "lora_export"}
 

@@ -138,6 +138,10 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
                    help="--compile: unrolled layers, so FLOPs and bytes count every layer "
                         "(XLA counts a scanned layer loop's body once; for "
                         "`tppo bench cost-model --compiled`; compiles take longer)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="--compile: the model with this many decoder layers (with "
+                        "--unroll-layers: unit costs per layer, extrapolated by "
+                        "`tppo bench compiled-units`; memory figures are the small model's)")
     p.add_argument("--widest", action="store_true",
                    help="--compile: the row-group programs at the widest width bucket only "
                         "(their peak; a long model's compiles take minutes each)")
@@ -174,7 +178,7 @@ def _compile(cfg, args: argparse.Namespace) -> int:
     name = Path(args.config).stem
     report = compile_plan(cfg, topo, only=only, stop_early=args.stop_early,
                           widest=args.widest, config_name=name, out=args.out,
-                          unroll_layers=args.unroll_layers,
+                          unroll_layers=args.unroll_layers, layers=args.layers,
                           progress=lambda n: print(f"compiling {n}", file=sys.stderr,
                                                    flush=True))
     print(json.dumps(report, indent=1) if args.json else format_report(report))

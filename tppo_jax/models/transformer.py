@@ -329,9 +329,17 @@ class Backbone(nnx.Module):
         cfg = self.config
         graphdef, state = nnx.split(self.layers)
 
+        # Unrolled under a mesh, nothing pins the hidden states between layers (a scan's
+        # carry keeps one layout): the partitioner may replicate the rows; keep them split.
+        pin = cfg.unroll_layers and under_project_mesh()
+
         def body(c: Any, xs: tuple[Any, jax.Array]) -> tuple[Any, None]:
             layer_state, i = xs
-            return step(nnx.merge(graphdef, layer_state), c, i), None
+            c = step(nnx.merge(graphdef, layer_state), c, i)
+            if pin and isinstance(c, jax.Array) and c.ndim == 3:
+                c = jax.lax.with_sharding_constraint(c, named_sharding(
+                    jax.sharding.get_abstract_mesh(), ("batch",), c.shape[:1]))
+            return c, None
 
         if remat:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy],
