@@ -83,8 +83,8 @@ def test_lora_run_trains_only_adapters_and_checkpoints_and_exports_them(tmp_path
         assert state.value["backbone"]["embed"] is state.policy["backbone"]["embed"]
         start_p, start_v = jax.device_get(state.policy), jax.device_get(state.value)
         # A 20-step warm-start finishes no row: a constant advantage makes the policy move.
-        push = TrainHooks(before_update=lambda _, b: dict(
-            b, advantages=b["policy_mask"].astype(jnp.float32)))
+        push = TrainHooks(before_update=lambda _, t: t.replace(
+            advantages=t.policy_mask.astype(jnp.float32)))
         kls = []
         for step in range(2):
             state, upd = update(run, state, collect(run), step, push, 0)

@@ -58,8 +58,8 @@ def test_run_averages_the_policy_checkpoints_and_reads_the_average(tmp_path):
     decay = 0.5
     cfg = load_config("smoke", [*SMALL, "train.steps=3", f"optim.policy_ema={decay}"])
     # A 20-step warm-start finishes no row: a constant advantage makes the policy move.
-    push = TrainHooks(before_update=lambda _, b: dict(
-        b, advantages=b["policy_mask"].astype(jnp.float32)))
+    push = TrainHooks(before_update=lambda _, t: t.replace(
+        advantages=t.policy_mask.astype(jnp.float32)))
     with contextlib.ExitStack() as stack:
         run, state = setup(cfg, tmp_path / "r", resume=False, progress=False, stack=stack)
         want = _leaves(state.policy)
