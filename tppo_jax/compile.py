@@ -467,13 +467,17 @@ def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = No
             "not_compiled": [p.name for p in programs[len(records):]],
         }
 
+    from tppo_jax.parallel.mesh import decode_mesh
+
+    rollout_mesh = decode_mesh(mesh, cfg.mesh.decode_tensor) if cfg.mesh.decode_tensor else mesh
     for p in programs:
         if progress:
             progress(p.name)
         # The training programs trace under the mesh, as splash attention needs to run per
-        # shard; rollout and eval decode through the KV cache (and may use the decode mesh).
-        with (jax.set_mesh(mesh) if p.kind not in ("rollout", "eval")
-              else contextlib.nullcontext()):
+        # shard; the rollout's (a prefill attends over its own tokens) under the decode mesh;
+        # the eval decodes through its own engine.
+        ctx = {"rollout": rollout_mesh, "eval": None}.get(p.kind, mesh)
+        with jax.set_mesh(ctx) if ctx is not None else contextlib.nullcontext():
             rec = compile_program(p, live, topo.hbm_bytes)
         records.append(rec)
         if out:

@@ -15,7 +15,6 @@ row gather per (group width, batch width), the rest once.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -400,11 +399,6 @@ class Learner:
                                                           targets.value_mask)
         return params, opt_state, stats
 
-    def mesh_context(self) -> Any:
-        """The learner's mesh as the tracing context (``jax.set_mesh``; nothing off a mesh):
-        attention then runs splash per shard on TPU, as the compile path compiles it."""
-        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
-
     def step(self, state: TrainState, batch: TrainBatch, rows: RowPlan, *,
              train_policy: bool = True, ref: Any = None,
              edit_targets: Callable[[Targets], Targets] | None = None
@@ -413,8 +407,7 @@ class Learner:
         ``train_policy`` is False: critic warm-up) and the critic's on the finished rows,
         dispatched back to back. ``edit_targets``: a caller's change to the targets before
         the updates read them (fault injection). Returns the state one step on."""
-        with self.mesh_context():
-            return self._step(state, batch, rows, train_policy, ref, edit_targets)
+        return self._step(state, batch, rows, train_policy, ref, edit_targets)
 
     def _step(self, state: TrainState, batch: TrainBatch, rows: RowPlan, train_policy: bool,
               ref: Any, edit_targets: Callable[[Targets], Targets] | None

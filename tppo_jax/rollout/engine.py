@@ -31,7 +31,6 @@ pushes them again. Sequence ids (each one seeds its sampling stream) are minted 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -340,16 +339,7 @@ class DecodeEngine:
         ``lengths[r]`` tokens) becomes slot ``r``'s cache for the ``rows`` mask (new prompts,
         or continuations re-prefilled under new weights). Returns ``(state, ok [S])``; a paged
         slot that got no pages is left untouched. ``decode_state`` is donated."""
-        with self._mesh_context():
-            return self._prefill_slots_fn(params, decode_state, tokens, lengths, rows)
-
-    def _mesh_context(self) -> Any:
-        """The cache's mesh as the tracing context (``jax.set_mesh``): a prefill's attention
-        over its own tokens then runs splash per shard on TPU (``kernels.attention``);
-        nothing without a mesh."""
-        if self._cache_mesh is None:
-            return contextlib.nullcontext()
-        return jax.set_mesh(self._cache_mesh)
+        return self._prefill_slots_fn(params, decode_state, tokens, lengths, rows)
 
     def _share_impl(self, ds: DecodeState, src: Array, dst: Array, seq_ids: Array
                     ) -> tuple[DecodeState, Array]:
@@ -477,8 +467,7 @@ class DecodeEngine:
         fns = {"prefill_slots": self._prefill_slots_fn, "generate_window": self._window_fn}
         if op not in fns:
             raise ValueError(f"op must be one of {sorted(fns)}, got {op!r}")
-        with self._mesh_context():
-            return fns[op].lower(*args)
+        return fns[op].lower(*args)
 
     # ------------------------------------------------------------------ a batch of prompts
     def prefill_prompts(self, params: EngineParams, tokens: np.ndarray, lengths: np.ndarray,
