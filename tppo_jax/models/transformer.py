@@ -238,8 +238,8 @@ class Attention(nnx.Module):
         stores their k/v: no ``[B, T, max_len]`` scores over the cache's full length."""
         q, k, v = self._qkv(x, positions, inv_freq)
         if prefill:
-            # splash runs per shard under a mesh context (the engine's, when its cache is on
-            # a mesh); without one a multi-chip program could not partition it: chunked
+            # splash runs per shard under a mesh context (the compile path's); without one a
+            # multi-chip program could not partition it: chunked
             impl = "chunked" if self.impl == "splash" and not under_project_mesh() else self.impl
             out = attention(q, k, v, CausalMask.from_attention_mask(valid), impl)
             return project(self, "o", out), cache.write(layer_idx, k, v, positions, valid)
