@@ -343,15 +343,8 @@ class DecodeEngine:
 
     def _share_impl(self, ds: DecodeState, src: Array, dst: Array, seq_ids: Array
                     ) -> tuple[DecodeState, Array]:
-        cache = kv_slots.free(ds.cache, dst)
-        cache, ok = kv_slots.share_prompt(cache, src, dst)
-        got = dst & ok
-        return ds.replace(
-            cache=cache, live=jnp.where(dst, got, ds.live),
-            next_token=jnp.where(got, ds.next_token[src], ds.next_token),
-            position=jnp.where(got, ds.position[src], ds.position),
-            generated=jnp.where(got, 0, ds.generated),
-            seq_id=jnp.where(got, seq_ids, ds.seq_id)), ok
+        """``_share_rows_impl`` with one source slot ``src`` (an int32 scalar)."""
+        return self._share_rows_impl(ds, jnp.arange(dst.shape[0]) == src, dst, seq_ids)
 
     def _share_rows_impl(self, ds: DecodeState, src: Array, dst: Array, seq_ids: Array
                          ) -> tuple[DecodeState, Array]:

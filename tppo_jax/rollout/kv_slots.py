@@ -133,20 +133,12 @@ def free(cache: Cache, rows: Array) -> Cache:
     return cache.replace(pages=sp.run(pg.free, (sp.rows, sp.rows), sp.rows)(cache.pages, rows))
 
 
-def share_prompt(cache: Cache, src: Array, dst: Array) -> tuple[Cache, Array]:
-    """The other samples of a prompt take ``src``'s (a slot id) cached prompt: full pages by
-    reference (refcount), a private copy of the partial tail page. ``dst`` slots must be
-    empty. Paged only. Returns ``(cache, ok [S])``."""
-    src_mask = jnp.arange(cache.pages.num_slots) == jnp.asarray(src, jnp.int32)
-    cache, ok, _ = share_prompts(cache, src_mask, dst)
-    return cache, ok
-
-
 def share_prompts(cache: PagedKVCache, src: Array, dst: Array
                   ) -> tuple[PagedKVCache, Array, Array]:
-    """``share_prompt`` for one prompt per page block at once (one block without a split):
-    in each block the ``dst [S]`` slots take the prompt of the block's ``src [S]`` slot (at
-    most one per block). ``dst`` slots of a block without a source get ``ok = False``
+    """The other samples of a prompt take its cached prompt, one prompt per page block at
+    once (one block without a split): full pages by reference (refcount), a private copy of
+    the partial tail page. In each block the ``dst [S]`` slots (empty) take the prompt of the
+    block's ``src [S]`` slot (at most one per block). Paged only. ``dst`` slots of a block without a source get ``ok = False``
     (untouched). Returns ``(cache, ok [S], src_of [S])``: ``src_of`` is each slot's block
     source (a slot id; meaningful where ``dst & ok``)."""
     src, dst = jnp.asarray(src, bool), jnp.asarray(dst, bool)
