@@ -139,8 +139,8 @@ def share_prompts(cache: PagedKVCache, src: Array, dst: Array
     once (one block without a split): full pages by reference (refcount), a private copy of
     the partial tail page. In each block the ``dst [S]`` slots (empty) take the prompt of the
     block's ``src [S]`` slot (at most one per block). Paged only. ``dst`` slots of a block
-    without a source get ``ok = False`` (untouched). Returns ``(cache, ok [S], src_of [S])``: ``src_of`` is each slot's block
-    source (a slot id; meaningful where ``dst & ok``)."""
+    without a source get ``ok = False`` (untouched). Returns ``(cache, ok [S], src_of [S])``:
+    ``src_of`` is each slot's block source (a slot id; meaningful where ``dst & ok``)."""
     src, dst = jnp.asarray(src, bool), jnp.asarray(dst, bool)
     sp = _split(cache)
     g = 1 if sp is None else sp.groups
