@@ -41,7 +41,7 @@ def fit(config: Config | str | Path | None = None, run_dir: str | Path | None = 
     Raises:
       ConfigError: a bad config or override (one-line message).
     """
-    from tppo_jax.trainer.loop import train
+    from tppo_jax.trainer.trainer import train
 
     ov = _override_list(overrides)
     if isinstance(config, Config):

@@ -155,7 +155,7 @@ class OptimConfig:
     value_epochs: int | None = None
     # Decay of an exponential moving average of the policy's params, stepped once per
     # training step (0: off). On, the average is the run's result: its held-out evals,
-    # checkpoints' ``policy_ema`` item, eval / export / serve (trainer/ema.py); rollouts still
+    # checkpoints' ``policy_ema`` item, eval / export / serve (trainer/params.py); rollouts still
     # sample from the live params
     policy_ema: float = 0.0
 

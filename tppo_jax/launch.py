@@ -372,15 +372,21 @@ def _poll(step: Step, capture: Capture, timeout_s: float, interval_s: float,
         sleep(interval_s)
 
 
+def require_gcloud() -> None:
+    """``LaunchError`` unless ``gcloud`` is on PATH."""
+    if shutil.which("gcloud") is None:
+        raise LaunchError("gcloud not found on PATH: install the Google Cloud SDK "
+                          "(https://cloud.google.com/sdk) or use --dry-run")
+
+
 def run_steps(spec: LaunchSpec, steps: Sequence[Step], *, runner: Runner | None = None,
               capture: Capture | None = None, wait_timeout_s: float = 3600.0,
               poll_interval_s: float = 30.0) -> int:
     """Runs the steps in order; at the first failure prints one clear message (and how to
     delete the TPU if it was created) and returns 1. ``runner``/``capture`` default to
     ``subprocess`` (tests pass fakes)."""
-    if (runner is None or capture is None) and shutil.which("gcloud") is None:
-        raise LaunchError("gcloud not found on PATH: install the Google Cloud SDK "
-                          "(https://cloud.google.com/sdk) or use --dry-run")
+    if runner is None or capture is None:
+        require_gcloud()
     run = runner or _subprocess_runner
     cap = capture or _subprocess_capture
     created = False

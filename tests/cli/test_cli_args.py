@@ -57,7 +57,7 @@ def test_cli_refuses_bad_arguments_before_running(argv, needle, capsys) -> None:
 
 # ---- a checkpoint step that does not exist --------------------------------------------
 def _run_with_checkpoint(run: Path, step: int) -> None:
-    from tppo_jax.trainer.checkpoint import Checkpointer
+    from tppo_jax.runs.checkpoint import Checkpointer
 
     run.mkdir()
     (run / "config.yaml").write_text(load_config("smoke").to_yaml())

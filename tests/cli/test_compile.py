@@ -102,7 +102,7 @@ def test_plan_layout_agrees_with_the_compile_paths_state(devices8):
     the optimizers' step counts are a few replicated bytes)."""
     from tppo_jax.compile import abstract_models, abstract_opt_state, per_chip_bytes
     from tppo_jax.config import load_config
-    from tppo_jax.learner.optim import make_optimizer
+    from tppo_jax.learner.state import make_optimizer
     from tppo_jax.parallel.mesh import make_mesh
     from tppo_jax.plan import plan_memory
 

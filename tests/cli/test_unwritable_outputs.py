@@ -43,7 +43,7 @@ def test_train_refuses_a_run_dir_it_cannot_make(tmp_path, capsys):
 def test_train_refuses_a_full_disk_before_any_work(tmp_path, capsys, monkeypatch):
     import shutil
 
-    from tppo_jax.trainer import run_claim
+    from tppo_jax.runs import run_claim
 
     free = shutil.disk_usage(tmp_path).free
     monkeypatch.setattr(run_claim, "MIN_FREE_BYTES", free + (1 << 40))  # more than is free

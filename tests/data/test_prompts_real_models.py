@@ -222,7 +222,7 @@ def test_rope_scaling_linear_and_v4_keys():
 
 
 def test_samples_jsonl_and_tensorboard_text(tmp_path):
-    from tppo_jax.trainer.metrics import MetricsWriter
+    from tppo_jax.runs.metrics import MetricsWriter
 
     sample = {"prompt": "<|im_start|>user\n1+1?", "completion": "\\boxed{2}", "answer": "2",
               "reward": 1.0, "reason": "ok"}

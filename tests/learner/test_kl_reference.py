@@ -3,7 +3,6 @@ gradient is zero where the policy equals its reference (so the first update is u
 that pulls towards the reference once they differ, and a run whose reference is the policy
 RL started from, untouched by the updates and the same after a resume."""
 
-import contextlib
 import dataclasses
 import math
 
@@ -19,7 +18,7 @@ from tppo_jax import algo
 from tppo_jax.config import AlgoConfig, OptimConfig, load_config
 from tppo_jax.learner import LearnerConfig, RowPlan
 from tppo_jax.models.transformer import ModelConfig, create_model
-from tppo_jax.trainer.trainer import setup
+from tppo_jax.trainer.trainer import Trainer, TrainHooks
 
 
 def test_k3_hand_computed():
@@ -85,33 +84,28 @@ SMALL = ["train.warmstart_steps=20", "logging.tensorboard=false", "train.compile
 
 @pytest.mark.slow  # ~59 s in one process on 2 shared cores
 def test_run_reference_is_the_starting_policy_and_survives_updates(tmp_path):
-    from tppo_jax.trainer import loop
-    from tppo_jax.trainer.collect import collect
-
     cfg = load_config("smoke", [*SMALL, "train.steps=3", "algo.critic_warmup_steps=0"])
-    with contextlib.ExitStack() as stack:
-        run, state = setup(cfg, tmp_path / "r", resume=False, progress=False, stack=stack)
-        start = jax.device_get(state.policy)
+    with Trainer(cfg, tmp_path / "r", progress=False) as run:
+        start = jax.device_get(run.state.policy)
         # A 20-step warm-start finishes no row, so every advantage whitens to 0: a constant
         # advantage on the trained tokens makes the policy move.
-        push = loop.TrainHooks(before_update=lambda _, t: t.replace(
+        push = TrainHooks(before_update=lambda _, t: t.replace(
             advantages=t.policy_mask.astype(jnp.float32)))
         kls = []
         for step in range(3):
-            state, upd = loop.update(run, state, collect(run), step, push, 0)
+            upd = run.update(run.collect(), step, push)
             kls.append(float(upd.pstats.get("kl_ref", -1.0)))
         assert kls[0] < 1e-5 < kls[-1], kls  # ~0 at the reference (fp noise); > 0 once moved
-        loop.maybe_checkpoint(run, state, last=True)
+        run.checkpoint(last=True)
         ref = jax.device_get(run.ref_policy)
-        trained = jax.device_get(state.policy)
+        trained = jax.device_get(run.state.policy)
     same = [np.array_equal(a, b) for a, b in zip(jax.tree.leaves(ref),
                                                   jax.tree.leaves(start), strict=True)]
     assert all(same)  # the updates donate their params' buffers, never the reference's
     assert not all(np.array_equal(a, b) for a, b in zip(
         jax.tree.leaves(trained), jax.tree.leaves(start), strict=True))
     resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=4))
-    with contextlib.ExitStack() as stack:
-        run, state = setup(resumed, tmp_path / "r", resume=True, progress=False, stack=stack)
+    with Trainer(resumed, tmp_path / "r", resume=True, progress=False) as run:
         assert run.start == 3
         for a, b in zip(jax.tree.leaves(jax.device_get(run.ref_policy)),
                         jax.tree.leaves(start), strict=True):

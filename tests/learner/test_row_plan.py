@@ -10,13 +10,12 @@ import pytest
 from flax import nnx
 from oracles import batch_and_targets, learner_with, update
 
-from tppo_jax.buckets import bucket_width, width_buckets
+from tppo_jax.buckets import CompileWatch, bucket_width, width_buckets
 from tppo_jax.config import AlgoConfig, OptimConfig
 from tppo_jax.learner import Learner, LearnerConfig, RowPlan, TrainState
 from tppo_jax.learner.plan import group_rows, plan_cells, plan_update
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.models.value import ValueModel
-from tppo_jax.trainer.compile_watch import CompileWatch
 
 
 def test_width_and_row_buckets():
@@ -152,7 +151,7 @@ def test_first_update_compiles_once_per_shape():
     """The trainer's initial optimizer state looks exactly like an update's output (committed,
     on the mesh), so the second step reuses the first step's executable."""
     from tppo_jax.learner import commit_to_mesh
-    from tppo_jax.learner.optim import policy_optimizer, value_optimizer
+    from tppo_jax.learner.state import policy_optimizer, value_optimizer
     from tppo_jax.parallel.mesh import make_mesh
 
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])

@@ -12,7 +12,7 @@ from oracles import rollout_targets, update
 
 from tppo_jax.config import AlgoConfig, OptimConfig
 from tppo_jax.learner import Learner, LearnerConfig, RowPlan, TrainBatch, TrainState
-from tppo_jax.learner.optim import policy_optimizer, value_optimizer
+from tppo_jax.learner.state import policy_optimizer, value_optimizer
 from tppo_jax.models.transformer import ModelConfig, create_model, param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel.mesh import batch_sharding, make_mesh

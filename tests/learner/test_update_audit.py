@@ -12,10 +12,10 @@ from oracles import batch_and_targets, policy_token_logprobs, row_plan_of, updat
 from tppo_jax import algo
 from tppo_jax.config import AlgoConfig, OptimConfig, load_config
 from tppo_jax.learner import Learner, LearnerConfig, TrainBatch, compute_targets
-from tppo_jax.learner.optim import lr_schedule, make_optimizer, updates_per_step
 from tppo_jax.learner.plan import plan_update
+from tppo_jax.learner.state import lr_schedule, make_optimizer, updates_per_step
 from tppo_jax.models.transformer import ModelConfig, create_model
-from tppo_jax.trainer.batch import shuffle_keys
+from tppo_jax.trainer.collect import shuffle_keys
 
 B, S = 8, 10
 

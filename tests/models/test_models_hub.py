@@ -21,7 +21,7 @@ from tppo_jax.models.gguf import resolve_model_path
 from tppo_jax.models.hf import from_pretrained
 from tppo_jax.models.hub import HubError, HubRef, parse_hub_ref, resolve_model
 from tppo_jax.models.tokenizer import train_sentencepiece
-from tppo_jax.trainer.trainer import load_models
+from tppo_jax.trainer.models import load_models
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
 MAIN, V1 = "a" * 40, "b" * 40  # the commits of refs/main (qwen2) and refs/v1 (llama)

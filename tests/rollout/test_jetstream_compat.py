@@ -42,7 +42,7 @@ def test_training_and_eval_never_import_jetstream():
     eval, the scheduler, the CLI's command table (every group registered, as ``tppo`` does)
     and the benchmarks ``tppo bench`` runs load no JetStream and apply no shim."""
     assert _fresh_imports(
-        "import tppo_jax.trainer.loop, tppo_jax.eval.heldout, tppo_jax.rollout.scheduler\n"
+        "import tppo_jax.trainer.trainer, tppo_jax.eval.heldout, tppo_jax.rollout.scheduler\n"
         "import tppo_jax.rollout.engine, tppo_jax.cli.train, tppo_jax.cli as cli\n"
         "cli._register_optional(); cli.build_parser()\n"
         "import importlib\nfrom tppo_jax.cli.bench import BENCHMARKS\n"

@@ -8,7 +8,7 @@ import pytest
 
 from tppo_jax.config import ConfigError, load_config
 from tppo_jax.config_checks import validate
-from tppo_jax.trainer.loop import train
+from tppo_jax.trainer.trainer import train
 
 DECODE = ["mesh.data=1", "mesh.fsdp=8", "mesh.decode_layout=decode", "mesh.decode_tensor=2"]
 

@@ -1,7 +1,7 @@
 """When the held-out eval runs: every N steps and/or every N seconds of training wall-clock."""
 
 from tppo_jax.config import TrainConfig
-from tppo_jax.trainer.loop import eval_due
+from tppo_jax.trainer.trainer import eval_due
 
 
 def test_eval_every_steps():

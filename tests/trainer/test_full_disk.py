@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import pytest
 
 from tppo_jax import cli
-from tppo_jax.trainer.checkpoint import ITEMS, Checkpointer
-from tppo_jax.trainer.metrics import MetricsWriter
+from tppo_jax.runs.checkpoint import ITEMS, Checkpointer
+from tppo_jax.runs.metrics import MetricsWriter
 
 ROW = {"reward_mean": 0.25, "policy_loss": -0.125, "note": "x" * 200}
 
@@ -135,7 +135,7 @@ def test_tppo_train_stops_in_one_line_with_the_checkpoint_intact(tmp_path, monke
             m.close()
             ck.close()
 
-    monkeypatch.setattr("tppo_jax.trainer.loop.train", train)
+    monkeypatch.setattr("tppo_jax.trainer.trainer.train", train)
     rc = cli.main(["train", "--config", "smoke", "--run-dir", str(run), "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and len(err) == 1, err
@@ -152,7 +152,7 @@ def test_tppo_train_stops_in_one_line_with_the_checkpoint_intact(tmp_path, monke
 
 def test_an_oserror_elsewhere_is_not_reported_as_the_run_dir(tmp_path, monkeypatch):
     from tppo_jax.cli.train import run_files_error
-    from tppo_jax.trainer.run_dir import resolve_run_dir
+    from tppo_jax.runs.run_dir import resolve_run_dir
 
     rd = resolve_run_dir(tmp_path / "run")
     assert run_files_error(OSError(errno.ENOENT, "No such file", "/etc/x"), rd) is None

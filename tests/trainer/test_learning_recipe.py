@@ -2,7 +2,6 @@
 take more passes per step than the policy, and the shuffled-reward control permutes grades
 across a step's finished rows (no signal) without changing how many are right."""
 
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +10,9 @@ import pytest
 
 from tppo_jax import algo
 from tppo_jax.config import load_config
-from tppo_jax.learner.optim import updates_per_step
-from tppo_jax.trainer.batch import init_value_bias, shuffle_keys
-from tppo_jax.trainer.collect import collect, shuffle_grades
-from tppo_jax.trainer.trainer import setup
+from tppo_jax.learner.state import updates_per_step
+from tppo_jax.trainer.collect import init_value_bias, shuffle_grades, shuffle_keys
+from tppo_jax.trainer.trainer import Trainer
 
 SMALL = ["train.warmstart_steps=20", "logging.tensorboard=false", "train.compile_cache="]
 
@@ -50,12 +48,10 @@ def test_value_epochs_scale_the_critics_updates_only():
 
 def _first_rollout(tmp_path, extra):
     cfg = load_config("smoke", [*SMALL, *extra])
-    with contextlib.ExitStack() as stack:
-        run, state = setup(cfg, tmp_path / "runs" / "r", resume=False, progress=False,
-                           stack=stack)
-        roll = collect(run)
-        value = init_value_bias(run, state.value, roll)
-        return cfg, roll, state.value, value
+    with Trainer(cfg, tmp_path / "runs" / "r", progress=False) as trainer:
+        roll = trainer.collect()
+        value = init_value_bias(trainer.state.value, roll, cfg)
+        return cfg, roll, trainer.state.value, value
 
 
 @pytest.mark.slow  # ~42 s in one process on 2 shared cores
@@ -99,7 +95,7 @@ def test_group_baseline_leave_one_out_hand_computed():
 
 
 def test_group_ids_are_unique_over_hosts():
-    from tppo_jax.trainer.batch import global_group_ids
+    from tppo_jax.trainer.collect import global_group_ids
 
     ids = np.array([0, 0, 5, 5, 7])
     one = global_group_ids(ids, 0, 1)

@@ -6,7 +6,6 @@ base with no second copy, checkpoints hold only what trains and restore it on a 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from tppo_jax.config import load_config
 from tppo_jax.models.lora import split_trainable
-from tppo_jax.trainer.trainable import VALUE_HEAD
+from tppo_jax.trainer.params import VALUE_HEAD
 from tppo_jax.trainer.value_pretrain import pretrain_key
 from tppo_jax.trainer.warmstart import warmstart_key
 
@@ -63,17 +62,14 @@ def _saved(item: Path) -> list:
 def test_lora_run_trains_only_adapters_and_checkpoints_and_exports_them(tmp_path):
     from tppo_jax.cli import main
     from tppo_jax.models.hf import from_pretrained
-    from tppo_jax.trainer.collect import collect
-    from tppo_jax.trainer.loop import TrainHooks, maybe_checkpoint, update
-    from tppo_jax.trainer.policy_view import policy_module
-    from tppo_jax.trainer.trainer import setup
+    from tppo_jax.trainer.trainer import Trainer, TrainHooks
 
     # A large step size (adapters start at B = 0 and move the policy slowly), and one
     # minibatch: the first step's KL is then all before any update
     cfg = load_config("smoke", [*SMALL, "train.steps=2", "optim.policy_lr=0.01",
                                 "optim.minibatches=1", "optim.warmup_steps=0"])
-    with contextlib.ExitStack() as stack:
-        run, state = setup(cfg, tmp_path / "r", resume=False, progress=False, stack=stack)
+    with Trainer(cfg, tmp_path / "r", progress=False) as run:
+        state = run.state
         assert run.ref_policy is None  # the reference is the frozen base itself
         # AdamW's moments have the adapters' tree (the critic's: adapters + value head)
         for opt, train in ((state.policy_opt, split_trainable(state.policy)[0]),
@@ -87,13 +83,14 @@ def test_lora_run_trains_only_adapters_and_checkpoints_and_exports_them(tmp_path
             advantages=t.policy_mask.astype(jnp.float32)))
         kls = []
         for step in range(2):
-            state, upd = update(run, state, collect(run), step, push, 0)
+            upd = run.update(run.collect(), step, push)
             kls.append(float(upd.pstats["kl_ref"]))
         assert kls[0] < 1e-6 < kls[-1], kls  # ~0 at the base (fp noise); > 0 once moved
-        maybe_checkpoint(run, state, last=True)
+        run.checkpoint(last=True)
+        state = run.state
         trained = jax.device_get(state.policy)
         tok = jnp.asarray(np.random.default_rng(0).integers(3, 100, (2, 24)), jnp.int32)
-        want = np.asarray(policy_module(run, state)(tok))  # the run's model: base + adapters
+        want = np.asarray(run.policy_module()(tok))  # the run's model: base + adapters
     new_adapters, new_base = split_trainable(trained)
     assert all(_same(new_base, split_trainable(start_p)[1]))  # base bit-identical
     assert not all(_same(new_adapters, split_trainable(start_p)[0]))
@@ -106,8 +103,8 @@ def test_lora_run_trains_only_adapters_and_checkpoints_and_exports_them(tmp_path
     assert _saved(ckpt / "value") == _shapes(split_trainable(start_v, VALUE_HEAD)[0])
 
     resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=3))
-    with contextlib.ExitStack() as stack:
-        run, state = setup(resumed, tmp_path / "r", resume=True, progress=False, stack=stack)
+    with Trainer(resumed, tmp_path / "r", resume=True, progress=False) as run:
+        state = run.state
         assert run.start == 2
         assert all(_same(state.policy, trained))  # adapters restored onto the same base
         assert state.value["backbone"]["embed"] is state.policy["backbone"]["embed"]

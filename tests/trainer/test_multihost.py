@@ -213,7 +213,7 @@ def test_paged_cache_with_several_processes_needs_pages_per_shard():
 
 def test_resume_with_other_process_count_is_refused():
     from tppo_jax.config import ConfigError
-    from tppo_jax.trainer.resume import host_meta
+    from tppo_jax.runs.checkpoint import host_meta
 
     meta = {"step": 4, "num_processes": 2, "hosts": [{"data_state": "a"}, {"data_state": "b"}]}
     with pytest.raises(ConfigError, match="written by 2 processes; this run has 1"):

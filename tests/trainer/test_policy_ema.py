@@ -4,7 +4,6 @@ live params, the held-out eval and the run's readers (``tppo eval`` / ``export``
 average, checkpoints hold it and a resume restores it; off, a run's state and checkpoints are
 as before."""
 
-import contextlib
 import dataclasses
 
 import jax
@@ -13,9 +12,9 @@ import numpy as np
 import pytest
 
 from tppo_jax.config import ConfigError, load_config
-from tppo_jax.trainer.ema import EMA_ITEM, LIVE_ITEM, ema_update, evaluated, policy_item
-from tppo_jax.trainer.run_config import frozen
-from tppo_jax.trainer.trainer import setup
+from tppo_jax.runs.run_config import frozen
+from tppo_jax.trainer.params import EMA_ITEM, LIVE_ITEM, ema_update, evaluated, policy_item
+from tppo_jax.trainer.trainer import Trainer
 
 SMALL = ["train.warmstart_steps=20", "logging.tensorboard=false", "train.compile_cache=",
          "algo.critic_warmup_steps=0", "optim.warmup_steps=0", "optim.policy_lr=0.01"]
@@ -51,21 +50,20 @@ def _close(a, b, **kw) -> None:
 @pytest.mark.slow  # ~56 s in one process on 2 shared cores
 def test_run_averages_the_policy_checkpoints_and_reads_the_average(tmp_path):
     from tppo_jax.cli.runs import load_run_policy
-    from tppo_jax.trainer.collect import collect
-    from tppo_jax.trainer.loop import TrainHooks, maybe_checkpoint, update
-    from tppo_jax.trainer.policy_view import policy_module
+    from tppo_jax.trainer.trainer import TrainHooks
 
     decay = 0.5
     cfg = load_config("smoke", [*SMALL, "train.steps=3", f"optim.policy_ema={decay}"])
     # A 20-step warm-start finishes no row: a constant advantage makes the policy move.
     push = TrainHooks(before_update=lambda _, t: t.replace(
         advantages=t.policy_mask.astype(jnp.float32)))
-    with contextlib.ExitStack() as stack:
-        run, state = setup(cfg, tmp_path / "r", resume=False, progress=False, stack=stack)
+    with Trainer(cfg, tmp_path / "r", progress=False) as run:
+        state = run.state
         want = _leaves(state.policy)
         _close(state.policy_ema, state.policy, rtol=0, atol=0)  # starts at the policy
         for step in range(3):
-            state, _ = update(run, state, collect(run), step, push, 0)
+            run.update(run.collect(), step, push)
+            state = run.state
             live = _leaves(state.policy)
             want = [decay * w + (1 - decay) * p for w, p in zip(want, live, strict=True)]
             _close(state.policy_ema, want, rtol=1e-6, atol=1e-7)
@@ -73,10 +71,10 @@ def test_run_averages_the_policy_checkpoints_and_reads_the_average(tmp_path):
         # Rollouts sample from the live params, the eval from the average.
         tok = jnp.asarray(np.random.default_rng(0).integers(3, 100, (2, 16)), jnp.int32)
         np.testing.assert_array_equal(np.asarray(run.sched.model(tok)),
-                                      np.asarray(policy_module(run, state)(tok)))
+                                      np.asarray(run.policy_module(state)(tok)))
         _close(evaluated(state, cfg).policy, state.policy_ema, rtol=0, atol=0)
-        evaluated_logits = np.asarray(policy_module(run, evaluated(state, cfg))(tok))
-        maybe_checkpoint(run, state, last=True)
+        evaluated_logits = np.asarray(run.policy_module(evaluated(state, cfg))(tok))
+        run.checkpoint(last=True)
         saved_ema, saved_live = _leaves(state.policy_ema), live
     # What a reader of the run (tppo eval / export / serve) gets: the average.
     _, _, model, step, _ = load_run_policy(tmp_path / "r", None)
@@ -84,8 +82,8 @@ def test_run_averages_the_policy_checkpoints_and_reads_the_average(tmp_path):
     np.testing.assert_allclose(np.asarray(model(tok)), evaluated_logits, rtol=1e-5, atol=1e-5)
 
     resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=4))
-    with contextlib.ExitStack() as stack:
-        run, state = setup(resumed, tmp_path / "r", resume=True, progress=False, stack=stack)
+    with Trainer(resumed, tmp_path / "r", resume=True, progress=False) as run:
+        state = run.state
         assert run.start == 3
         _close(state.policy_ema, saved_ema, rtol=0, atol=0)
         _close(state.policy, saved_live, rtol=0, atol=0)
@@ -94,7 +92,7 @@ def test_run_averages_the_policy_checkpoints_and_reads_the_average(tmp_path):
 @pytest.mark.slow  # ~14 s in one process on 2 shared cores
 def test_off_adds_nothing(tmp_path):
     cfg = load_config("smoke", [*SMALL, "train.steps=1"])
-    with contextlib.ExitStack() as stack:
-        run, state = setup(cfg, tmp_path / "r", resume=False, progress=False, stack=stack)
+    with Trainer(cfg, tmp_path / "r", progress=False) as run:
+        state = run.state
         assert state.policy_ema is None and "policy_ema" not in state.items()
         assert evaluated(state, cfg) is state

@@ -12,25 +12,25 @@ import pytest
 
 from tppo_jax import cli
 from tppo_jax.config import Config, ConfigError, load_config
-from tppo_jax.trainer import warmstart
-from tppo_jax.trainer.run_config import (
+from tppo_jax.runs.run_config import (
     END_MARKER,
     _flat,
     frozen,
     resume_config,
     run_config_text,
 )
-from tppo_jax.trainer.run_dir import resolve_run_dir
+from tppo_jax.runs.run_dir import resolve_run_dir
+from tppo_jax.trainer import warmstart
 
 
 def start_problem(rd, resume):
-    from tppo_jax.trainer.run_claim import start_problem
+    from tppo_jax.runs.run_claim import start_problem
 
     return start_problem(rd, resume)
 
 
 def _run_dir_error():
-    from tppo_jax.trainer.run_dir import RunDirError
+    from tppo_jax.runs.run_dir import RunDirError
 
     return RunDirError
 
@@ -254,7 +254,7 @@ def test_the_cli_refuses_and_keeps_every_row(run, capsys):
 
 def test_start_over_moves_the_logs_aside_and_never_discards_a_checkpoint(run):
     from tppo_jax.cli.train import start_over
-    from tppo_jax.trainer.run_dir import found_logs
+    from tppo_jax.runs.run_dir import found_logs
 
     path, _ = run
     _metrics(path, 8)
@@ -284,7 +284,7 @@ def test_resume_drops_only_rows_past_the_step_and_rewrites_atomically(tmp_path, 
     import errno
     from pathlib import Path
 
-    from tppo_jax.trainer.metrics import MetricsWriter
+    from tppo_jax.runs.metrics import MetricsWriter
 
     _metrics(tmp_path, 6)
     with (tmp_path / "metrics.jsonl").open("ab") as f:  # rows no resume may choke on

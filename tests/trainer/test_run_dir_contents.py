@@ -13,8 +13,8 @@ from tppo_jax.cli.runs import load_run_policy
 from tppo_jax.config import load_config
 from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.models.tokenizer import train_sentencepiece
-from tppo_jax.trainer.checkpoint import ITEMS, Checkpointer
-from tppo_jax.trainer.trainer import load_models
+from tppo_jax.runs.checkpoint import ITEMS, Checkpointer
+from tppo_jax.trainer.models import load_models
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "qwen2"
 

@@ -15,12 +15,12 @@ import pytest
 
 from tppo_jax import cli
 from tppo_jax.config import load_config
-from tppo_jax.trainer.run_dir import LOCK, RunDirError, copy_tree, lock_run_dir
-from tppo_jax.trainer.trainer import setup
+from tppo_jax.runs.run_dir import LOCK, RunDirError, copy_tree, lock_run_dir
+from tppo_jax.trainer.trainer import Trainer
 
 HOLD = textwrap.dedent("""
     import sys, time
-    from tppo_jax.trainer.run_dir import lock_run_dir
+    from tppo_jax.runs.run_dir import lock_run_dir
     lock_run_dir(sys.argv[1])
     print("held", flush=True)
     time.sleep(600)
@@ -60,7 +60,7 @@ def test_the_lock_is_reentrant_in_one_process_and_released_by_the_last_hold(tmp_
     outer = lock_run_dir(run)
     inner = lock_run_dir(run)  # the CLI holds it, and the set-up takes it again
     inner()
-    code = f"from tppo_jax.trainer.run_dir import lock_run_dir; lock_run_dir({str(run)!r})"
+    code = f"from tppo_jax.runs.run_dir import lock_run_dir; lock_run_dir({str(run)!r})"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode != 0 and "in use by another tppo train" in r.stderr
@@ -97,8 +97,8 @@ def test_a_new_run_refuses_a_dir_with_another_runs_logs(tmp_path, log):
     before = (run / log).read_text()
     cfg = load_config("smoke", ["train.warmstart_steps=2", "logging.tensorboard=false",
                                 "train.compile_cache="])
-    with contextlib.ExitStack() as stack, pytest.raises(RunDirError) as e:
-        setup(cfg, run, resume=False, progress=False, stack=stack)
+    with pytest.raises(RunDirError) as e:
+        Trainer(cfg, run, progress=False)
     msg = str(e.value)
     assert "\n" not in msg and "holds another run's logs" in msg and log in msg
     assert "--resume" in msg and "--start-over" in msg and "new --run-dir" in msg
@@ -108,8 +108,8 @@ def test_a_new_run_refuses_a_dir_with_another_runs_logs(tmp_path, log):
 
 
 def test_a_new_run_in_an_empty_or_fresh_dir_is_not_refused(tmp_path):
-    from tppo_jax.trainer.run_claim import start_problem
-    from tppo_jax.trainer.run_dir import resolve_run_dir
+    from tppo_jax.runs.run_claim import start_problem
+    from tppo_jax.runs.run_dir import resolve_run_dir
 
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "metrics.jsonl").write_text("")  # an empty file is no run's log

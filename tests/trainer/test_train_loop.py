@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from tppo_jax.learner import Targets, TrainState
-from tppo_jax.trainer.checkpoint import ITEMS
-from tppo_jax.trainer.loop import TrainHooks, nan_updates_from
+from tppo_jax.runs.checkpoint import ITEMS
+from tppo_jax.trainer.trainer import TrainHooks, nan_updates_from
 
 
 def test_train_state_is_a_pytree_with_static_step():

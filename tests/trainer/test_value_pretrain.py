@@ -2,7 +2,6 @@
 before step 1, once per key; runs that differ only in the rollout window (T-PPO vs PPO) load
 the same critic, and the run's policy and critic optimizer are untouched."""
 
-import contextlib
 import json
 
 import jax
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 
 from tppo_jax.config import load_config
-from tppo_jax.trainer.trainer import setup
+from tppo_jax.trainer.trainer import Trainer
 from tppo_jax.trainer.value_pretrain import CURVE, pretrain_key, pretrain_value
 
 SMALL = ["train.warmstart_steps=20", "reward.wrong=-1.0",
@@ -31,9 +30,8 @@ def test_key_is_shared_across_windows_not_across_critics():
 
 def _pretrained(tmp_path, name, extra=()):
     cfg = load_config("smoke", [*SMALL, *extra])
-    with contextlib.ExitStack() as stack:
-        run, state = setup(cfg, tmp_path / "runs" / name, resume=False, progress=False,
-                           stack=stack)
+    with Trainer(cfg, tmp_path / "runs" / name, progress=False) as run:
+        state = run.state
         before = jax.tree.map(np.asarray, state.value)
         out = pretrain_value(run, state)
         got = jax.tree.map(np.asarray, out.value)

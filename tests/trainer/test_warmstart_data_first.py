@@ -3,14 +3,13 @@ whatever the run's rows) was retrained for each data source, and ran before the 
 read, so a data source that cannot be read cost a full warm-start before its one-line
 error. Now its key holds what it depends on, and the data is read first."""
 
-import contextlib
 import json
 
 import pytest
 
 from tppo_jax.config import load_config
 from tppo_jax.data.readers import DataError
-from tppo_jax.trainer.trainer import setup
+from tppo_jax.trainer.trainer import Trainer
 from tppo_jax.trainer.warmstart import warmstart_key
 
 
@@ -31,7 +30,7 @@ def test_unreadable_data_fails_before_the_warmstart(tmp_path):
     cfg = load_config("smoke", [f"data.source={bad}", "data.format=generic",
                                 "logging.tensorboard=false", "train.compile_cache="])
     run = tmp_path / "runs" / "r"
-    with contextlib.ExitStack() as stack, pytest.raises(DataError):
-        setup(cfg, run, resume=False, progress=False, stack=stack)
+    with pytest.raises(DataError):
+        Trainer(cfg, run, progress=False)
     assert not any(p.name.startswith("warmstart") for p in (tmp_path / "runs").iterdir())
     assert not (run / "warmstart").exists()

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> dict:
     from tppo_jax.eval.heldout import EvalEngines, evaluate
     from tppo_jax.rewards.grader import MathGrader
     from tppo_jax.rollout.decode import SamplingParams
-    from tppo_jax.trainer.trainer import load_models
+    from tppo_jax.trainer.models import load_models
 
     run_dir = Path(args.run_dir)
     cfg, tok, policy, step, _ = load_run_policy(run_dir, None)

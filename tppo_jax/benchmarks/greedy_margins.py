@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     from tppo_jax.data.run_data import prompt_rows
     from tppo_jax.eval.heldout import generate_answers
     from tppo_jax.rollout.decode import SamplingParams
-    from tppo_jax.trainer.checkpoint import Checkpointer
-    from tppo_jax.trainer.trainer import load_models
+    from tppo_jax.runs.checkpoint import Checkpointer
+    from tppo_jax.trainer.models import load_models
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir")

@@ -66,7 +66,7 @@ CLI_KEYS = ("step", "start", "k", "greedy", "questions", "protocol")
 def as_run_eval(sampled: dict, greedy: dict) -> dict:
     """Two ``tppo eval`` results (sampled, greedy) as the run's own held-out eval records
     them (``summary.json``'s ``eval_before`` / ``eval_after``)."""
-    from tppo_jax.trainer.evals import eval_record
+    from tppo_jax.eval.heldout import eval_record
 
     def metrics(res: dict) -> dict:
         return {m: v for m, v in res.items() if m not in CLI_KEYS}

@@ -209,7 +209,7 @@ def _overrides(args: argparse.Namespace, L: int, seed: int, method: str) -> list
 def _train_run(args: argparse.Namespace, L: int, seed: int, method: str, run_dir: Path) -> None:
     """One (method, seed) run from scratch (its old run dir removed), to target or budget."""
     from tppo_jax.config import load_config
-    from tppo_jax.trainer.loop import train
+    from tppo_jax.trainer.trainer import train
 
     cfg = load_config(args.config, _overrides(args, L, seed, method))
     if run_dir.exists():

@@ -57,6 +57,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         default_name,
         parse_tpu_type,
         render,
+        require_gcloud,
         run_steps,
         validate_name,
     )
@@ -80,6 +81,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             best_effort=args.best_effort, repo=args.repo, overrides=tuple(args.overrides),
             resume=args.resume, keep=args.keep)
         steps = build_steps(spec)
+        if not args.dry_run:  # before the compiled plan: a missing gcloud is a quick answer
+            require_gcloud()
         # Last, after the cheap checks: the compiled plan takes a while.
         if not args.force:
             why = fit_refusal(cfg, tpu.name, config_name=args.config, plan=args.plan)

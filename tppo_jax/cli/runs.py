@@ -22,7 +22,7 @@ from tppo_jax.eval.protocol import PROTOCOLS
 if TYPE_CHECKING:
     from tppo_jax.config import Config
     from tppo_jax.models.tokenizer import Tokenizer
-    from tppo_jax.trainer.checkpoint import Checkpointer
+    from tppo_jax.runs.checkpoint import Checkpointer
 
 
 def _preview_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
     from tppo_jax.data.run_data import load_data, synthetic_task
     from tppo_jax.data.synthetic import length_histogram
     from tppo_jax.models.tokenizer import Tokenizer
-    from tppo_jax.trainer.trainer import model_folder
+    from tppo_jax.trainer.models import model_folder
 
     cfg = load_config(args.config, args.overrides)
     train_rows, _ = load_data(cfg)
@@ -66,7 +66,7 @@ def _plot_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from tppo_jax.trainer.plot import plot_runs
+    from tppo_jax.runs.plot import plot_runs
 
     dirs = [Path(d) for d in args.run_dirs]
     missing = [str(d) for d in dirs if not (d / "metrics.jsonl").is_file()]
@@ -107,14 +107,14 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True,
 
     from tppo_jax.config import ConfigError
     from tppo_jax.models.tokenizer import Tokenizer
-    from tppo_jax.trainer.checkpoint import (
+    from tppo_jax.runs.checkpoint import (
         MODEL_SUBDIR,
         Checkpointer,
         CheckpointError,
         run_model_files,
     )
-    from tppo_jax.trainer.ema import policy_item
-    from tppo_jax.trainer.trainer import load_models, load_policy
+    from tppo_jax.trainer.models import load_models, load_policy
+    from tppo_jax.trainer.params import policy_item
     from tppo_jax.trainer.warmstart import RUN_SUBDIR
 
     cfg = run_config(run_dir)
@@ -130,7 +130,7 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True,
         if step is not None:
             require_step(ckpt, step)
         if cfg.model.lora_rank:  # adapters-only checkpoints: the base as the run started it
-            from tppo_jax.trainer.lora_checkpoint import restore_lora_policy
+            from tppo_jax.trainer.models import restore_lora_policy
 
             tok, policy, got, tok_file = restore_lora_policy(cfg, run_dir, ckpt, step,
                                                              merge=merge_lora)
@@ -173,7 +173,7 @@ def require_checkpoint(run_dir: Path, cfg: Config) -> None:
     aside as damaged, or a relative ``checkpoint.dir`` read from another working
     directory), before anything loads or creates a folder."""
     from tppo_jax.config import ConfigError
-    from tppo_jax.trainer.checkpoint import checkpoint_path, listed_steps
+    from tppo_jax.runs.checkpoint import checkpoint_path, listed_steps
 
     folder = checkpoint_path(cfg.checkpoint.dir or run_dir / "checkpoints")
     steps, damaged = listed_steps(folder)
@@ -204,7 +204,7 @@ def run_config(run_dir: Path) -> Config:
 def load_run_start(run_dir: Path) -> tuple[Config, Tokenizer, Any, int]:
     """(config, tokenizer, policy, 0): the policy a run started from (its warm-start or
     model, without adapters), the one its eval before training scored."""
-    from tppo_jax.trainer.trainer import load_policy
+    from tppo_jax.trainer.models import load_policy
 
     cfg = run_config(run_dir)
     tok, policy, _ = load_policy(cfg, run_dir, progress=False)

@@ -14,7 +14,7 @@ from tppo_jax.cli.args import add_config_args
 from tppo_jax.cli.log import log_to_stderr
 
 if TYPE_CHECKING:
-    from tppo_jax.trainer.run_dir import RunDir
+    from tppo_jax.runs.run_dir import RunDir
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
@@ -61,8 +61,8 @@ def start_over(rd: RunDir) -> None:
     else process 0 moves the run's logs and config.yaml aside (a bucket run's pulled back
     first, so the aside copy is mirrored) and every process waits for it."""
     from tppo_jax.parallel import multihost as mh
-    from tppo_jax.trainer.checkpoint import listed_steps
-    from tppo_jax.trainer.run_dir import RunDirError, pull, set_aside_logs
+    from tppo_jax.runs.checkpoint import listed_steps
+    from tppo_jax.runs.run_dir import RunDirError, pull, set_aside_logs
 
     steps, _ = listed_steps(rd.checkpoints)
     if steps:
@@ -79,8 +79,8 @@ def run_files_error(e: OSError, rd: RunDir) -> str | None:
     """One line for a failed write of the run's files (a full disk or quota, or a file or
     folder under the run dir that cannot be written): what failed and what is intact.
     None for an OSError that is not about the run's files."""
-    from tppo_jax.trainer.checkpoint import listed_steps
-    from tppo_jax.trainer.run_dir import DISK_FULL
+    from tppo_jax.runs.checkpoint import listed_steps
+    from tppo_jax.runs.run_dir import DISK_FULL
 
     # shutil.Error (a copied folder) lists its files' errors as text, without an errno.
     said = next((os.strerror(n) for n in DISK_FULL if os.strerror(n) in str(e)), None)
@@ -102,11 +102,11 @@ def run_files_error(e: OSError, rd: RunDir) -> str | None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from tppo_jax.config import load_config
-    from tppo_jax.trainer.checkpoint import CheckpointError
-    from tppo_jax.trainer.loop import TrainingDiverged, nan_updates_from, train
-    from tppo_jax.trainer.run_config import resume_config
-    from tppo_jax.trainer.run_dir import RunDirError, resolve_run_dir
-    from tppo_jax.trainer.trainer import claim_run_dir
+    from tppo_jax.runs.checkpoint import CheckpointError
+    from tppo_jax.runs.run_claim import claim_run_dir
+    from tppo_jax.runs.run_config import resume_config
+    from tppo_jax.runs.run_dir import RunDirError, resolve_run_dir
+    from tppo_jax.trainer.trainer import TrainingDiverged, nan_updates_from, train
 
     log_to_stderr(logging.WARNING, ours=logging.INFO)  # ours: resume, warm-start, checkpoints
     start_distributed(args)

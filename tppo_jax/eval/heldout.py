@@ -179,3 +179,11 @@ def evaluate(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathExample],
         "right_answer_wrong_steps_frac": float((correct.reshape(-1) & ~steps_ok).mean()),
         **mask,
     }
+
+
+def eval_record(sampled: dict[str, Any], greedy: dict[str, Any], k: int) -> dict[str, Any]:
+    """A held-out eval's record (``summary.json``'s ``eval_before`` / ``eval_after``) from
+    its sampled (``k`` per question) and greedy ``evaluate`` results: the headline avg@k as
+    ``accuracy``, the greedy results under ``greedy_``."""
+    return {"accuracy": sampled[f"avg@{k}"], "greedy_accuracy": greedy["avg@1"],
+            **sampled, **{f"greedy_{n}": v for n, v in greedy.items()}}

@@ -6,8 +6,8 @@
     state, stats = learner.step(state, batch, rows)
 
 Files: ``batch.py`` (typed records), ``estimators.py`` (advantage estimators, a registry,
-and the targets), ``losses.py``, ``optim.py``, ``plan.py`` (row groups), ``state.py``
-(``TrainState``), ``learner.py`` (``Learner``).
+and the targets), ``losses.py``, ``plan.py`` (row groups), ``state.py`` (``TrainState`` and its
+optimizers), ``learner.py`` (``Learner``).
 """
 
 from tppo_jax.learner.batch import PolicyRows, Targets, TokenRows, TrainBatch, ValueRows
@@ -19,8 +19,13 @@ from tppo_jax.learner.estimators import (
 )
 from tppo_jax.learner.learner import Learner, RowPlan, StepStats, batch_spec, placed
 from tppo_jax.learner.losses import LearnerConfig
-from tppo_jax.learner.optim import make_optimizer, policy_optimizer, value_optimizer
-from tppo_jax.learner.state import TrainState, commit_to_mesh
+from tppo_jax.learner.state import (
+    TrainState,
+    commit_to_mesh,
+    make_optimizer,
+    policy_optimizer,
+    value_optimizer,
+)
 
 __all__ = ["ESTIMATORS", "Learner", "LearnerConfig", "PolicyRows", "RowPlan", "StepStats",
            "Targets", "TokenRows", "TrainBatch", "TrainState", "ValueRows", "Window",

@@ -43,7 +43,6 @@ from tppo_jax.learner.losses import (
     policy_loss,
     value_loss,
 )
-from tppo_jax.learner.optim import guarded_apply, policy_optimizer, value_optimizer
 from tppo_jax.learner.plan import (
     Minibatch,
     RowGroup,
@@ -52,7 +51,7 @@ from tppo_jax.learner.plan import (
     plan_minibatch,
     plan_update,
 )
-from tppo_jax.learner.state import TrainState
+from tppo_jax.learner.state import TrainState, guarded_apply, policy_optimizer, value_optimizer
 from tppo_jax.models.lora import join_params, split_trainable
 from tppo_jax.parallel.mesh import logical_to_spec
 

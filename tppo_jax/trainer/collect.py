@@ -1,5 +1,8 @@
-"""One step's rollout: a window over every decode slot, then grading of the rows that
-finished (outcome rewards, DAPO overlong shaping).
+"""One step's rollout and what the learner trains on: a window over every decode slot,
+grading of the rows that finished (outcome rewards, DAPO overlong shaping), then the
+rollout as the learner's input: a ``TrainBatch`` of device arrays (columns cut to a width
+bucket, rows global over hosts) and the ``RowPlan`` the updates' plans read (row lengths,
+finished rows, each epoch's order).
 
 Shared by the training loop and value pretraining (``trainer/value_pretrain.py``), which
 collects full-length rollouts from its own scheduler.
@@ -11,12 +14,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from tppo_jax.buckets import CompileWatch, bucket_width
+from tppo_jax.config import Config
+from tppo_jax.learner import RowPlan, TrainBatch
 from tppo_jax.models.tokenizer import Tokenizer
-from tppo_jax.rewards.grader import overlong_penalty
+from tppo_jax.parallel import multihost as mh
+from tppo_jax.rewards.grader import MathGrader, overlong_penalty
 from tppo_jax.rollout.scheduler import RolloutBatch, TruncatedRolloutScheduler
-from tppo_jax.trainer.trainer import Trainer
 
 
 @dataclass
@@ -37,11 +45,10 @@ class Rollout:
     c_roll: float
 
 
-def collect(run: Trainer, sched: TruncatedRolloutScheduler | None = None) -> Rollout:
-    """One rollout window over every slot (of ``sched``, default the run's), then grading
-    of the rows that finished."""
-    cfg, tok = run.cfg, run.models.tokenizer
-    sched = run.sched if sched is None else sched
+def collect(sched: TruncatedRolloutScheduler, tok: Tokenizer, grader: MathGrader, cfg: Config,
+            watch: CompileWatch) -> Rollout:
+    """One rollout window over every slot of ``sched``, then grading of the rows that
+    finished (``watch``: the compiles it caused, counted apart)."""
     t0 = time.time()
     rb = sched.step()
     idle = int((~sched.state.live).sum())
@@ -53,7 +60,7 @@ def collect(run: Trainer, sched: TruncatedRolloutScheduler | None = None) -> Rol
     samples: list[dict[str, Any]] = []
     if len(fin):
         texts = [tok.decode(rb.response_tokens(i)) for i in fin]
-        g = run.grader.grade(texts, [rb.examples[i].answer for i in fin],
+        g = grader.grade(texts, [rb.examples[i].answer for i in fin],
                              [rb.examples[i] for i in fin])
         reward[fin], correct[fin], counts = g.rewards, g.correct, g.counts
         if cfg.reward.shuffle_control:  # no signal: who got which grade is random
@@ -66,7 +73,7 @@ def collect(run: Trainer, sched: TruncatedRolloutScheduler | None = None) -> Rol
         samples = sample_rows(tok, rb, fin, texts, reward, g.reasons,
                               cfg.logging.samples_per_step)
     t_grade = time.time() - t0 - t_roll
-    n_roll, c_roll = run.watch.take()
+    n_roll, c_roll = watch.take()
     return Rollout(rb, fin, reward, correct, counts, samples, idle, t0, t_roll, t_grade,
                    n_roll, c_roll)
 
@@ -90,3 +97,75 @@ def sample_rows(tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray, texts: list[
         out.append({"prompt": prompt, "completion": texts[j], "answer": rb.examples[i].answer,
                     "reward": float(reward[i]), "reason": reasons[j]})
     return out
+
+
+
+def train_batch(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh
+                ) -> TrainBatch:
+    """The rollout as device arrays, split over the mesh's batch axes (global arrays of
+    every host's rows when there are several processes), prompt ids included.
+
+    Columns are cut to the longest row (over all hosts) rounded up to a width bucket
+    (``buckets.bucket_width``): the updates then cost what the batch needs, not the full
+    buffer, and only a handful of widths ever compile (the updates then cut each row group
+    to its own bucket, see ``learner/plan.py``).
+    """
+    longest = mh.max_over_hosts({"len": int(rb.total_len.max())})["len"]
+    width = bucket_width(int(longest), rb.tokens.shape[1])
+    g = lambda x: mh.host_to_global(x, mesh)  # noqa: E731
+    return TrainBatch(
+        tokens=g(rb.tokens[:, :width]), attn=g(np.arange(width)[None] < rb.total_len[:, None]),
+        sample_logprobs=g(rb.sample_logprobs[:, :width]), prompt_len=g(rb.prompt_len),
+        window_start=g(rb.window_start), window_len=g(rb.window_len),
+        finished=g(rb.finished), reward=g(reward.astype(np.float32)),
+        correct=g(correct.astype(bool)),
+        group=g(global_group_ids(rb.group_id, jax.process_index(), jax.process_count())))
+
+
+def global_group_ids(group_id: np.ndarray, host: int, hosts: int) -> np.ndarray:
+    """``[B]`` int32 prompt ids unique over hosts: each host's scheduler counts its groups
+    from 0, so host 1's group 5 is not host 0's group 5 (ids wrap at 2**31 / hosts)."""
+    local = group_id.astype(np.int64) % ((1 << 31) // hosts)
+    return (local * hosts + host).astype(np.int32)
+
+
+def row_plan(rb: RolloutBatch, shuffle: np.ndarray) -> RowPlan:
+    """This rollout's ``RowPlan`` over every host's rows (``shuffle``: this host's
+    ``shuffle_keys``)."""
+    if jax.process_count() == 1:
+        lengths, fin = rb.total_len, rb.finished
+    else:
+        lengths, fin = mh.gather_rows(rb.total_len), mh.gather_rows(rb.finished)
+        shuffle = mh.gather_rows(shuffle)
+    return RowPlan(np.asarray(lengths), np.asarray(shuffle), np.flatnonzero(fin))
+
+
+def shuffle_keys(cfg: Config, step: int, rows: int) -> np.ndarray:
+    """``[rows, epochs]`` random keys ordering this host's rows in each epoch's minibatches
+    (as many epochs as the policy's or the critic's update has, whichever is more);
+    a pure function of (seed, step, host), so a resumed run replays the same minibatches."""
+    rng = np.random.default_rng([cfg.train.seed, step, jax.process_index(), 0x5EED])
+    return rng.random((rows, max(cfg.optim.epochs, cfg.optim.critic_epochs)), dtype=np.float32)
+
+
+def learner_input(roll: Rollout, cfg: Config, mesh: Any, step: int
+                  ) -> tuple[TrainBatch, RowPlan]:
+    """What ``Learner.step`` trains on for ``roll``: its batch on ``mesh`` and its
+    ``RowPlan`` (``step``'s shuffle)."""
+    rb = roll.rb
+    batch = train_batch(rb, roll.reward, roll.correct, mesh)
+    return batch, row_plan(rb, shuffle_keys(cfg, step, rb.tokens.shape[0]))
+
+
+def init_value_bias(value: Any, roll: Rollout, cfg: Config) -> Any:
+    """``value`` params with the critic's output bias set as ``algo.value_bias_init`` says,
+    before its first update: ``mean_reward`` = the mean reward of ``roll``'s finished rows
+    over all hosts (the midpoint of ``reward.correct`` and ``reward.wrong`` when none
+    finished); ``zero`` leaves ``value`` as it is."""
+    if cfg.algo.value_bias_init == "zero":
+        return value
+    tot = mh.sum_over_hosts({"fin": len(roll.fin), "reward": float(roll.reward[roll.fin].sum())})
+    rc = cfg.reward
+    mean = tot["reward"] / tot["fin"] if tot["fin"] else 0.5 * (rc.correct + rc.wrong)
+    old = value["head_bias"]
+    return {**value, "head_bias": jax.device_put(jnp.asarray(mean, old.dtype), old.sharding)}

@@ -1,296 +1,564 @@
-"""Setting up a training run from its ``Config``: run dir and checkpoints, mesh, models,
-data and prompts, optimizers, the rollout scheduler, the jitted steps on the mesh, grader,
-metrics, and (``--resume``) the newest good checkpoint.
+"""The training run (docs/algorithm.md section 5): ``Trainer`` builds a run from its
+``Config``, restores the newest good checkpoint, evaluates and fits::
 
-``setup()`` returns a ``Trainer`` (everything that stays fixed while training) and the
-``TrainState`` the loop starts from; ``trainer/loop.py`` only reads the ``Trainer``.
+    with Trainer(cfg, run_dir, resume=resume) as trainer:   # run dir, models, data, learner
+        summary = trainer.fit()
+            # evaluate (held out); pretrain the critic (VAPO, optional, off the clock)
+            # each step: roll = collect()                  one window; grade what finished
+            #            update(roll)                      learner.step: targets, both updates
+            #            log(roll, update)                 metrics, sample completions
+            #            checkpoint()                      on schedule, at the end, preemption
+            # evaluate (held out)
+
+Multi-host (``jax.distributed``): every process runs this same loop. Each host reads its
+own shard of the prompts, keeps its own ``slots / P`` rollout slots and grades its own rows;
+batches go to the updates as global arrays (``parallel.multihost``), metrics are summed over
+hosts, and only process 0 writes logs and summaries. Stop decisions (preemption, time
+budget, the eval cadence) are agreed by all hosts so no process leaves the loop alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
+import signal
+import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
+from tqdm import tqdm
 
-from tppo_jax.config import Config, ConfigError, validate
+from tppo_jax.buckets import CompileWatch, enable_compile_cache
+from tppo_jax.config import Config, TrainConfig, validate
 from tppo_jax.data.pipeline import PromptPipeline
-from tppo_jax.data.readers import MathExample
 from tppo_jax.data.run_data import load_data, prompt_rows
-from tppo_jax.eval.heldout import EvalEngines
+from tppo_jax.eval.diagnose import no_answer_warning
+from tppo_jax.eval.heldout import EvalEngines, eval_record, evaluate
+from tppo_jax.eval.protocol import run_protocol
 from tppo_jax.learner import (
     Learner,
     LearnerConfig,
+    Targets,
     TrainState,
     commit_to_mesh,
     policy_optimizer,
     value_optimizer,
 )
-from tppo_jax.models.lora import add_lora, lora_spec
-from tppo_jax.models.tokenizer import Tokenizer
-from tppo_jax.models.transformer import param_shardings, shard_model
-from tppo_jax.models.value import ValueModel
+from tppo_jax.learner.state import scheduled_lrs
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.parallel.mesh import decode_mesh, layout_rules, make_mesh
-from tppo_jax.rewards.grader import MathGrader
+from tppo_jax.parallel.mesh import decode_mesh, make_mesh, reshard
+from tppo_jax.rewards.grader import MathGrader, answer_format_for
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
-from tppo_jax.trainer.checkpoint import Checkpointer, record_model
-from tppo_jax.trainer.compile_watch import CompileWatch, enable_compile_cache
-from tppo_jax.trainer.ema import with_ema
-from tppo_jax.trainer.metrics import MetricsWriter
-from tppo_jax.trainer.policy_view import policy_module
-from tppo_jax.trainer.resume import restore
-from tppo_jax.trainer.run_claim import claim_run_dir
-from tppo_jax.trainer.run_config import run_config_text
-from tppo_jax.trainer.run_dir import (
-    RunDir,
-    pull,
-    resolve_run_dir,
-    write_atomic,
-)
-from tppo_jax.trainer.trainable import (
-    share_base,
-    shares_base,
+from tppo_jax.runs.checkpoint import Checkpointer, host_meta
+from tppo_jax.runs.metrics import MetricsWriter
+from tppo_jax.runs.run_claim import claim_run_dir
+from tppo_jax.runs.run_config import run_config_text
+from tppo_jax.runs.run_dir import mirror, pull, resolve_run_dir, write_atomic
+from tppo_jax.runs.wandb_log import wandb_settings
+from tppo_jax.trainer.collect import Rollout, collect, init_value_bias, learner_input
+from tppo_jax.trainer.models import decode_shardings, load_models, reference_copy
+from tppo_jax.trainer.params import (
+    evaluated,
+    saved_items,
+    step_ema,
     trainable_keys,
     trained_part,
+    with_ema,
+    with_frozen,
 )
-from tppo_jax.trainer.wandb_log import wandb_settings
-from tppo_jax.trainer.warmstart import RUN_SUBDIR, run_warmstart
+from tppo_jax.trainer.value_pretrain import pretrain_value
+from tppo_jax.trainer.warmstart import RUN_SUBDIR
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Models:
-    tokenizer: Tokenizer
-    policy_def: Any
-    policy: Any  # pure dict of params (None once a TrainState holds them)
-    value_def: Any
-    value: Any
-    tokenizer_file: Path
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive updates had a non-finite loss or gradient."""
 
 
 @dataclass
+class TrainHooks:
+    """Where a caller (a test, the CLI's fault injection) acts on a run.
+
+    before_update: ``(step, targets) -> targets`` the updates of 0-based ``step`` train on.
+    """
+
+    before_update: Callable[[int, Targets], Targets] | None = None
+
+
+def nan_updates_from(step: int) -> TrainHooks:
+    """Fault injection: every update from (1-based) ``step`` on sees NaN advantages and
+    returns (the reliability tests' divergence)."""
+    def poison(i: int, targets: Targets) -> Targets:
+        if i + 1 < step:
+            return targets
+        return targets.replace(advantages=targets.advantages * float("nan"),
+                               returns=targets.returns * float("nan"))
+
+    return TrainHooks(before_update=poison)
+
+
+class Reshard(NamedTuple):
+    """One move of the policy into the decode layout: its wall time (until the copy is
+    on the devices) and the bytes of the copy."""
+
+    seconds: float
+    bytes: int
+
+
+@dataclass
+class Update:
+    """What one step's updates report."""
+
+    pstats: dict[str, Any]  # policy stats (empty during critic warm-up)
+    vstats: dict[str, Any]
+    width: int  # the batch's columns (a width bucket: the widest row group)
+    value_rows: int  # rows the critic trained on (0: none finished anywhere)
+    policy_cells: int  # rows x columns the policy's forward passes ran over (0: none)
+    value_cells: int  # the same for the critic
+    n_compiles: int  # update-side compiles and their seconds
+    compile_s: float
+    t_update: float
+    reshard: Reshard | None = None  # the policy's move to the decode layout (None: none)
+
+
+def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
+          hooks: TrainHooks | None = None) -> dict[str, Any]:
+    """Runs T-PPO; returns a summary (before/after held-out accuracy, steps, time), also
+    written to ``summary.json`` once the last checkpoint is on disk.
+
+    ``run_dir`` may be a bucket URL (``gs://...``): see ``runs/run_dir.py``.
+    """
+    with Trainer(cfg, run_dir, resume=resume, progress=progress) as trainer:
+        summary = trainer.fit(hooks)
+    trainer.write_summary(summary)
+    return summary
+
+
 class Trainer:
-    """A training run's parts, fixed once set up (what the updates change is ``TrainState``).
-    The fields after ``progress`` are built by ``setup()`` from the ones before them."""
+    """A training run. Building it validates the config, claims the run dir, freezes the
+    config, builds the mesh, models, data, rollout scheduler, ``Learner``, grader and
+    metrics, and (``resume``) restores the newest good checkpoint; ``state`` is the
+    ``TrainState`` the updates change, everything else stays fixed. Close it (or use it as
+    a context manager) to release the run dir: the checkpoint manager closes first, so a
+    failed save's last reports come out before the run's stop message."""
 
-    cfg: Config
-    rd: RunDir  # the run dir: rd.local (a bucket run's local staging copy)
-    mesh: Any  # the training mesh
-    decode_mesh: Any  # rollout's and eval's: ``mesh`` unless mesh.decode_tensor is set
-    models: Models  # tokenizer and graph defs (the params live in TrainState)
-    train_rows: list[MathExample]
-    eval_rows: list[MathExample]
-    encode: Callable[[MathExample], list[int]]
-    pipeline: PromptPipeline
-    sampling: SamplingParams
-    decode_shardings: Any  # decode-layout param shardings, or None (train layout)
-    ckpt: Checkpointer
-    progress: bool
-    sched: TruncatedRolloutScheduler = field(init=False)
-    learner: Learner = field(init=False)
-    watch: CompileWatch = field(init=False)  # compiles of the learner's row-group programs
-    grader: MathGrader = field(init=False)
-    metrics: MetricsWriter = field(init=False)
-    start: int = 0  # the step the run (re)starts from
-    eval_before: dict[str, Any] | None = None
-    # The policy RL started from, for algo.kl_coef > 0 (else None): made before a resume
-    # restores the trained params, so a resumed run keeps the same reference
-    ref_policy: Any = None
-    # The held-out eval's decode engines: compiled at the first eval, reused by every later one
-    eval_engines: EvalEngines = field(default_factory=EvalEngines)
+    def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False,
+                 progress: bool = True) -> None:
+        self._stack = contextlib.ExitStack()
+        self.ckpt: Checkpointer | None = None
+        try:
+            self._build(cfg, run_dir, resume, progress)
+        except BaseException:
+            if self.ckpt is not None:
+                self.ckpt.close()
+            self._stack.close()
+            raise
+        self._stack.callback(self.ckpt.close)  # closed first
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
 
     @property
-    def run_dir(self) -> Path:
+    def run_dir(self) -> Path:  # a bucket run's local staging copy
         return self.rd.local
 
     @property
     def primary(self) -> bool:  # process 0 writes the run dir's files
         return mh.is_primary()
 
+    # -- building and restoring ---------------------------------------------------------
 
-def setup(cfg: Config, run_dir: str | Path, *, resume: bool, progress: bool,
-          stack: contextlib.ExitStack) -> tuple[Trainer, TrainState]:
-    """Builds the run; everything that needs closing is closed by ``stack`` (the checkpoint
-    manager first: a failed save's last reports come out before the run's stop message)."""
-    validate(cfg, num_devices=jax.device_count(), num_processes=jax.process_count())
-    enable_compile_cache(cfg.train.compile_cache)
-    rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
-    # Released last: after every file is closed.
-    stack.callback(claim_run_dir(rd, resume, train_steps=cfg.train.steps))
-    ckpt = Checkpointer(rd.checkpoints, every=cfg.checkpoint.every, keep=cfg.checkpoint.keep)
-    try:
-        out = _build(cfg, rd, ckpt, resume, progress, stack)
-    except BaseException:
-        ckpt.close()
-        raise
-    stack.callback(ckpt.close)
+    def _build(self, cfg: Config, run_dir: str | Path, resume: bool, progress: bool) -> None:
+        validate(cfg, num_devices=jax.device_count(), num_processes=jax.process_count())
+        enable_compile_cache(cfg.train.compile_cache)
+        self.cfg, self.start, self.eval_before = cfg, 0, None
+        self.rd = rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
+        # Released last: after every file is closed.
+        self._stack.callback(claim_run_dir(rd, resume, train_steps=cfg.train.steps))
+        self.ckpt = Checkpointer(rd.checkpoints, every=cfg.checkpoint.every,
+                                 keep=cfg.checkpoint.keep)
+        rd.local.mkdir(parents=True, exist_ok=True)
+        if resume:  # a bucket run's logs, so the resumed run appends to them (other hosts:
+            pull(rd, only=None if self.primary else RUN_SUBDIR)  # only their warm-start)
+        if self.primary:  # whole or not at all: a resume refuses a truncated config.yaml
+            write_atomic(rd.local / "config.yaml", run_config_text(cfg))
+        self.progress = progress and cfg.logging.progress
+        m, r = cfg.mesh, cfg.rollout
+        self.mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
+        # Rollout's and eval's mesh: the training mesh unless mesh.decode_tensor is set
+        self.decode_mesh = decode_mesh(self.mesh, m.decode_tensor) if m.decode_tensor else self.mesh
+        rows = load_data(cfg)  # read and checked before a warm-start or model load costs time
+        self.models = load_models(cfg, rd.local, self.progress, self.mesh)
+        self.train_rows, self.eval_rows, self.encode = prompt_rows(cfg, self.models.tokenizer,
+                                                                   rows)
+        self.pipeline = PromptPipeline(self.train_rows, batch_size=1, seed=cfg.data.seed,
+                                       shard_index=jax.process_index(),
+                                       shard_count=jax.process_count())
+        self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
+        # Decode-layout param shardings, or None: rollout reads the params as trained
+        self.decode_shardings = decode_shardings(cfg, self.models, self.decode_mesh)
+        # The held-out eval's decode engines: compiled at the first eval, reused by the rest
+        self.eval_engines = EvalEngines()
+        tx_p, tx_v = policy_optimizer(cfg.optim), value_optimizer(cfg.optim)
+        keep_p, keep_v = trainable_keys(cfg)  # LoRA: AdamW states for the adapters alone
+        models = self.models
+        state = TrainState(models.policy, models.value,
+                           commit_to_mesh(tx_p.init(trained_part(models.policy, keep_p)),
+                                          self.mesh),
+                           commit_to_mesh(tx_v.init(trained_part(models.value, keep_v)),
+                                          self.mesh))
+        models.policy = models.value = None  # the params live in TrainState: no second copy
+        self.state = with_ema(state, cfg)  # before a restore: the template of its checkpoint
+        # The policy RL started from, for algo.kl_coef > 0 (else None), made before a resume
+        # restores the trained params so a resumed run keeps the same reference. LoRA: the
+        # frozen base is the reference (adapters zeroed inside the loss): no copy.
+        copy_ref = cfg.algo.kl_coef > 0 and keep_p is None
+        self.ref_policy = reference_copy(self.state.policy) if copy_ref else None
+        self.sched = self.scheduler()
+        if resume:
+            self.restore()
+        self.learner = Learner(models.policy_def, models.value_def,
+                               LearnerConfig.from_config(cfg), mesh=self.mesh,
+                               state=self.state, trainable=(keep_p, keep_v))
+        # Compiles of the learner's row-group programs, and of everything else while open
+        self.watch = CompileWatch(self.learner.compiled_fns())
+        self.grader = MathGrader.from_config(cfg.reward, cfg.data.format)
+        self._stack.callback(self.grader.close)
+        # Rows past the restored step are dropped (logged again); nothing restored: none are.
+        self.metrics = MetricsWriter(rd.local, tensorboard=cfg.logging.tensorboard,
+                                     resume_step=self.start or None, wandb=wandb_settings(cfg))
+        self._stack.callback(self.metrics.close)
+        self._skipped_in_a_row = 0  # consecutive steps with a skipped (non-finite) update
+
+    def scheduler(self, *, window: int | None = None, pipeline: PromptPipeline | None = None,
+                  seed: int | None = None) -> TruncatedRolloutScheduler:
+        """A rollout scheduler sampling from ``state``'s policy; ``window`` / ``pipeline`` /
+        ``seed`` replace the config's window, the run's prompt stream and ``train.seed``
+        (value pretraining's full-length rollouts on a stream of their own)."""
+        cfg = self.cfg
+        r = cfg.rollout if window is None else dataclasses.replace(cfg.rollout, window=window)
+        prompts = (b[0] for b in (self.pipeline if pipeline is None else pipeline))
+        return TruncatedRolloutScheduler(
+            self.policy_module(), prompts, self.encode, r, eos_ids=self.models.tokenizer.eos_ids,
+            sampling=self.sampling, seed=cfg.train.seed if seed is None else seed,
+            mesh=self.decode_mesh)
+
+    def checkpoint_trees(self) -> dict[str, Any]:
+        """Every tree a checkpoint holds, by item name (also the templates a restore reads
+        into); with LoRA the models' items hold only what trains (``trainer/params.py``)."""
+        return {**saved_items(self.state.items(), self.cfg), **self.sched.checkpoint_items()}
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """Each host's data iterator and scheduler state, gathered (process 0 writes it)."""
+        return {"step": self.state.step, "eval_before": self.eval_before,
+                "num_processes": jax.process_count(),
+                "hosts": mh.gather_json({"data_state": self.pipeline.state_json(),
+                                         "scheduler": self.sched.host_state()})}
+
+    def restore(self) -> None:
+        """The newest checkpoint whose manifest verifies (damaged ones are reported, set
+        aside): params, optimizer states, data iterator and scheduler; nothing when there
+        is none."""
+        restored = self.ckpt.restore_latest(self.checkpoint_trees())
+        if restored is None:
+            return
+        _, trees, meta = restored
+        self.start = int(meta["step"])
+        self.state = TrainState.from_items(with_frozen(trees, self.state.items(), self.cfg),
+                                           self.start, self.mesh)
+        host = host_meta(meta)
+        self.pipeline.load_state_json(host["data_state"])
+        self.sched.restore(trees, host["scheduler"])
+        self.sched.set_policy(self.policy_module(), self.sched.policy_version)
+        if "eval_before" in meta:
+            self.eval_before = meta["eval_before"]
+        log.info("resumed from step %d", self.start)
+
+    # -- the policy, evaluated ----------------------------------------------------------
+
+    def policy_module(self, state: TrainState | None = None) -> nnx.Module:
+        """The policy rollouts and evals decode with (of ``state``, default the run's): the
+        trained params, or (decode layout) a copy moved to the decode shardings."""
+        return self._policy_module(self.state if state is None else state)[0]
+
+    def _policy_module(self, state: TrainState) -> tuple[nnx.Module, Reshard | None]:
+        """``policy_module``, and with a decode layout how long its reshard took and how many
+        bytes it copied (``None`` in the training layout: nothing moves)."""
+        if self.decode_shardings is None:
+            return nnx.merge(self.models.policy_def, state.policy), None
+        t0 = time.perf_counter()
+        params = jax.block_until_ready(reshard(state.policy, self.decode_shardings))
+        moved = Reshard(time.perf_counter() - t0,
+                        sum(x.nbytes for x in jax.tree.leaves(params)))
+        return nnx.merge(self.models.policy_def, params), moved
+
+    def evaluate(self, *, live: bool = False) -> dict[str, Any]:
+        """Held-out accuracy under the ``run`` protocol (``eval.protocol``): avg@k sampled
+        as in training (the headline) and greedy, of the run's result policy (the average,
+        with ``optim.policy_ema``; ``live``: the params rollouts sample from)."""
+        state = self.state if live else evaluated(self.state, self.cfg)
+        p = run_protocol(self.cfg)
+        kw = dict(max_prompt_len=self.cfg.rollout.max_prompt_len, max_response_len=p.max_tokens,
+                  mesh=self.decode_mesh, engines=self.eval_engines)
+        tok = self.models.tokenizer
+        sampled = evaluate(self.policy_module(state), tok, self.eval_rows, self.encode,
+                           self.grader, k=p.samples, sampling=p.sampling, seed=p.seed, **kw)
+        greedy = evaluate(self.policy_module(state), tok, self.eval_rows, self.encode,
+                          self.grader, **kw)
+        return eval_record(sampled, greedy, p.samples)
+
+    def evaluate_before(self) -> dict[str, Any]:
+        """The held-out eval before training: from the checkpoint or the run dir on a
+        resume, else run now; written to ``eval_before.json``."""
+        if self.eval_before is None:
+            if self.start:
+                self.eval_before = json.loads((self.run_dir / "eval_before.json").read_text())
+            else:
+                self.eval_before = self.evaluate()
+                self.metrics.write_eval(self.state.step, "before", self.eval_before)
+                self._warn_no_answer()
+        if self.primary:
+            (self.run_dir / "eval_before.json").write_text(json.dumps(self.eval_before))
+        return self.eval_before
+
+    def _warn_no_answer(self) -> None:
+        """Warns when the starting policy's sampled answers almost never hold an answer the
+        grader reads: every reward would be the no-answer one and the run would learn
+        nothing."""
+        fmt = answer_format_for(self.cfg.data.format, self.cfg.reward.answer_format)
+        warn = no_answer_warning(self.eval_before.get("no_answer"), fmt)
+        if warn and self.primary:
+            log.warning("eval before training: %s", warn.removeprefix("warning: "))
+
+    # -- fitting ------------------------------------------------------------------------
+
+    def fit(self, hooks: TrainHooks | None = None) -> dict[str, Any]:
+        """Evaluates, pretrains the critic (VAPO, off the clock), trains from ``start`` to
+        ``train.steps`` (or the target accuracy, the time budget, a preemption), evaluates
+        again; returns the run's summary."""
+        hooks, cfg = hooks or TrainHooks(), self.cfg
+        before = self.evaluate_before()
+        self.state = pretrain_value(self, self.state)  # algo.value_pretrain_steps
+        t_start = time.time()
+        bar = tqdm(range(self.start, cfg.train.steps), desc="T-PPO", dynamic_ncols=True,
+                   disable=not (self.progress and self.primary), initial=self.start,
+                   total=cfg.train.steps)
+        # Wall-clock of training steps only (held-out evals excluded), continued on resume.
+        train_time = float(self.metrics.last.get("train_time_s", 0.0))
+        last_eval, preempted = train_time, False  # training wall-clock at the last eval
+        # Open until the run closes: a SIGTERM during the last eval is not a kill.
+        stopper = self._stack.enter_context(_StopOnSignal())
+        self._stack.enter_context(self.watch)
+        for step in bar:
+            self.watch.reset()  # held-out evals between steps are not step time
+            roll = self.collect()
+            upd = self.update(roll, step, hooks)
+            row = self.log(roll, upd, train_time)
+            train_time += time.time() - roll.t0
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", fin=int(row["finished"]))
+            target_hit, last_eval = self._maybe_evaluate(train_time, last_eval)
+            preempted, time_up = self._stop_flags(stopper, train_time)
+            stop = target_hit or time_up
+            self.checkpoint(last=self.state.step == cfg.train.steps or stop or preempted)
+            if preempted:
+                log.warning("preempted: checkpoint saved at step %d", self.state.step)
+                break
+            if stop:
+                log.info("stopping at step %d (target accuracy or time budget reached)",
+                         self.state.step)
+                break
+        after = self.evaluate() if not preempted else None
+        if after is not None:
+            self.metrics.write_eval(self.state.step, "after", after)
+        # With a policy average, the live policy's numbers too: what the average changed.
+        live = (self.evaluate(live=True)
+                if after is not None and self.state.policy_ema is not None else None)
+        return {"eval_before": before, "eval_after": after,
+                **({"eval_after_live": live} if live is not None else {}),
+                "steps": self.state.step, "preempted": preempted,
+                "train_seconds": time.time() - t_start,
+                "run_dir": self.rd.remote or str(self.run_dir)}
+
+    def collect(self, sched: TruncatedRolloutScheduler | None = None) -> Rollout:
+        """One rollout window over every slot (of ``sched``, default the run's), graded."""
+        return collect(self.sched if sched is None else sched, self.models.tokenizer,
+                       self.grader, self.cfg, self.watch)
+
+    def update(self, roll: Rollout, step: int, hooks: TrainHooks | None = None) -> Update:
+        """``Learner.step`` on the rollout (targets, then the policy's and the critic's
+        updates), then the scheduler samples from the new policy and frees the finished
+        rows' slots."""
+        cfg, state = self.cfg, self.state
+        if step == 0 and not cfg.algo.value_pretrain_steps:  # pretraining did it at its step 0
+            state = dataclasses.replace(state, value=init_value_bias(state.value, roll, cfg))
+        batch, rows = learner_input(roll, cfg, self.mesh, step)
+        edit = (None if hooks is None or hooks.before_update is None
+                else partial(hooks.before_update, step))
+        state, out = self.learner.step(state, batch, rows, ref=self.ref_policy,
+                                       edit_targets=edit,
+                                       train_policy=step >= cfg.algo.critic_warmup_steps)
+        pstats, vstats, adv = mh.tree_to_host((out.policy, out.value, out.advantages))
+        vstats = {**vstats, **adv}
+        skipped = float(pstats.get("policy_skipped", 0.0)) + float(vstats["value_skipped"])
+        self._skipped_in_a_row = self._skipped_in_a_row + 1 if skipped else 0
+        if self._skipped_in_a_row >= cfg.train.max_skipped_updates:
+            raise TrainingDiverged(
+                f"step {step + 1}: non-finite loss or gradient in {self._skipped_in_a_row} "
+                f"consecutive steps (updates skipped, params unchanged); last checkpoint: "
+                f"step {self.ckpt.latest_step()} in {self.ckpt.directory}")
+        n_compiles, compile_s = self.watch.take()
+        t_update = time.time() - roll.t0 - roll.t_roll - roll.t_grade
+        width, nrows = batch.shape[1], len(rows.finished)
+        # After warm-up a function that has compiled should only meet known shapes (the row
+        # groups' (rows, width) pairs are bounded, so new ones become rare).
+        late = [k for k, (n0, _) in self.watch.new_shapes().items()
+                if n0 and step > self.start + 2]
+        if late:
+            log.warning("step %d: %s compiled a new shape (batch width %d, critic rows %d); "
+                        "shapes so far: %s", step + 1, ", ".join(late), width, nrows,
+                        self.watch.sizes())
+        self.state = step_ema(state, cfg)
+        policy, moved = self._policy_module(self.state)
+        self.sched.set_policy(policy, step + 1)
+        self.sched.release_finished(roll.rb.finished)
+        return Update(pstats, vstats, width, nrows, out.policy_cells, out.value_cells,
+                      n_compiles, compile_s, t_update, moved)
+
+    def log(self, roll: Rollout, upd: Update, train_time: float = 0.0) -> dict[str, Any]:
+        """Writes the step's metrics (host-local counts summed over hosts, then turned into
+        means) and sample completions; returns the metrics row."""
+        rb, fin, pstats, vstats, watch = roll.rb, roll.fin, upd.pstats, upd.vstats, self.watch
+        resp_len = rb.total_len - rb.prompt_len
+        tot = mh.sum_over_hosts({
+            "fin": len(fin), "reward": roll.reward[fin].sum(),
+            "correct": roll.correct[fin].sum(), "resp_len": resp_len[fin].sum(),
+            "rows": self.sched.B, "tokens": rb.window_len.sum(), "idle": roll.idle})
+        top = mh.max_over_hosts({"resp_len": resp_len.max(), "window": rb.window_len.max()})
+        counts = _merge_counts(mh.gather_json({k: int(v) for k, v in roll.counts.items()}))
+        nfin = max(tot["fin"], 1.0)
+        c_roll, c_upd, t0 = roll.c_roll, upd.compile_s, roll.t0
+        row = self.metrics.write(self.state.step, {
+            "reward_mean": tot["reward"] / nfin,
+            "accuracy": 100.0 * tot["correct"] / nfin,  # percent, as every accuracy
+            "finished_frac": tot["fin"] / tot["rows"],
+            "finished": int(tot["fin"]),
+            "response_len_mean": tot["resp_len"] / nfin,
+            "response_len_max": int(top["resp_len"]),
+            "occupancy": tot["tokens"] / max(1.0, self.cfg.rollout.slots * top["window"]),
+            **scheduled_lrs(self.cfg.optim, self.state.step),
+            "policy_loss": float(pstats.get("policy_loss", 0.0)),
+            "value_loss": float(vstats["value_loss"]),
+            **{k: float(v) for k, v in pstats.items() if k != "policy_loss"},
+            **{k: float(v) for k, v in vstats.items() if k != "value_loss"},
+            **{f"grade_{k}": v for k, v in counts.items()},
+            "tokens": int(tot["tokens"]),
+            "idle_slots": int(tot["idle"]),
+            # Compile seconds are split out of the phase they happened in.
+            "time_rollout_s": roll.t_roll - c_roll, "time_grading_s": roll.t_grade,
+            "time_update_s": upd.t_update - c_upd, "time_compile_s": c_roll + c_upd,
+            "compiles": roll.n_roll + upd.n_compiles, "compiles_total": watch.total_count,
+            # What the updates ran on (the cost model's update tokens: rows x width).
+            "update_width": upd.width,
+            "value_rows": upd.value_rows,
+            "policy_cells": upd.policy_cells,
+            "value_cells": upd.value_cells,
+            **{f"compiled_shapes_{k}": v for k, v in watch.sizes().items()},
+            **({"reshard_s": upd.reshard.seconds, "reshard_gb": upd.reshard.bytes / 1e9}
+               if upd.reshard is not None else {}),
+            "tokens_per_s": tot["tokens"] / max(time.time() - t0, 1e-9),
+            "train_time_s": train_time + (time.time() - t0),
+        })
+        self.metrics.write_samples(self.state.step, roll.samples)
+        return row
+
+    def checkpoint(self, *, last: bool) -> None:
+        """Saves on schedule and at the ``last`` step; a bucket run's files are mirrored
+        after."""
+        # Built only for a save: the host-state gather and slot upload are not free.
+        if (last or self.ckpt.due(self.state.step)) and self.ckpt.save(
+                self.state.step, self.checkpoint_trees(), self.checkpoint_meta(),
+                force=True) and self.primary:
+            mirror(self.rd)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        """``summary.json`` (process 0), then a bucket run's files are mirrored."""
+        if self.primary:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            mirror(self.rd)
+
+    def _maybe_evaluate(self, train_time: float, last_eval: float) -> tuple[bool, float]:
+        """The held-out eval when ``eval_due``. Returns (it reached
+        ``train.target_accuracy``, the training wall-clock of the last eval)."""
+        tc = self.cfg.train
+        # Every host decides on the primary's clock: the hosts must run the eval together.
+        due = mh.max_over_hosts({"due": self.primary and eval_due(
+            tc, self.state.step, train_time, last_eval)})["due"]
+        if not due:
+            return False, last_eval
+        res = self.evaluate()  # identical on every host
+        self.metrics.write(self.state.step, {f"eval_{k}": v for k, v in res.items()})
+        self.metrics.write_eval(self.state.step, "during", res, loggers=False)
+        return (tc.target_accuracy is not None and res["accuracy"] >= tc.target_accuracy,
+                train_time)
+
+    def _stop_flags(self, stopper: _StopOnSignal, train_time: float) -> tuple[bool, bool]:
+        """(preempted, time budget spent). The budget counts training wall-clock, held-out
+        evals excluded. Clocks and signals differ per host: stop when any host says so, all
+        together."""
+        budget = self.cfg.train.time_budget_s
+        flags = mh.max_over_hosts({
+            "preempted": stopper.requested,
+            "time_up": budget is not None and train_time >= budget})
+        return bool(flags["preempted"]), bool(flags["time_up"])
+
+
+def eval_due(tc: TrainConfig, step: int, train_time: float, last_eval: float) -> bool:
+    """Whether a held-out eval follows ``step``: every ``eval_every`` steps, or once
+    ``eval_every_s`` seconds of training wall-clock passed since the last one."""
+    by_steps = bool(tc.eval_every) and step % tc.eval_every == 0
+    return by_steps or (tc.eval_every_s > 0 and train_time - last_eval >= tc.eval_every_s)
+
+
+class _StopOnSignal:
+    """SIGTERM (preemption) asks the loop to finish the current step, checkpoint, and exit."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old = None
+
+    def __enter__(self) -> _StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        log.warning("SIGTERM: finishing this step, saving a checkpoint, then exiting")
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def _merge_counts(per_host: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for counts in per_host:
+        for k, v in counts.items():
+            out[k] = out.get(k, 0) + int(v)
     return out
-
-
-def _build(cfg: Config, rd: RunDir, ckpt: Checkpointer, resume: bool, progress: bool,
-           stack: contextlib.ExitStack) -> tuple[Trainer, TrainState]:
-    rd.local.mkdir(parents=True, exist_ok=True)
-    primary = mh.is_primary()
-    if resume:  # a bucket run's logs, so the resumed run appends to them (other hosts:
-        pull(rd, only=None if primary else RUN_SUBDIR)  # only the warm-start they load)
-    if primary:  # whole or not at all: a resume refuses a truncated config.yaml
-        write_atomic(rd.local / "config.yaml", run_config_text(cfg))
-    progress = progress and cfg.logging.progress
-    m, r = cfg.mesh, cfg.rollout
-    mesh = make_mesh({"data": m.data, "fsdp": m.fsdp, "tensor": m.tensor})
-    dmesh = decode_mesh(mesh, m.decode_tensor) if m.decode_tensor else mesh
-    rows = load_data(cfg)  # read and checked before a warm-start or model load costs time
-    models = load_models(cfg, rd.local, progress, mesh)
-    train_rows, eval_rows, encode = prompt_rows(cfg, models.tokenizer, rows)
-    pipeline = PromptPipeline(train_rows, batch_size=1, seed=cfg.data.seed,
-                              shard_index=jax.process_index(), shard_count=jax.process_count())
-    run = Trainer(cfg, rd, mesh, dmesh, models, train_rows, eval_rows, encode, pipeline,
-              SamplingParams(r.temperature, r.top_p, r.top_k), decode_shardings(cfg, models, dmesh),
-              ckpt, progress)
-    tx_p, tx_v = policy_optimizer(cfg.optim), value_optimizer(cfg.optim)
-    keep_p, keep_v = trainable_keys(cfg)  # LoRA: AdamW states for the adapters alone
-    state = TrainState(models.policy, models.value,
-                       commit_to_mesh(tx_p.init(trained_part(models.policy, keep_p)), mesh),
-                       commit_to_mesh(tx_v.init(trained_part(models.value, keep_v)), mesh))
-    models.policy = models.value = None  # the params live in TrainState: no second copy
-    state = with_ema(state, cfg)  # before a restore: the template of its checkpoint item
-    # LoRA: the reference is the frozen base (adapters zeroed inside the loss): no copy
-    copy_ref = cfg.algo.kl_coef > 0 and keep_p is None
-    run.ref_policy = reference_copy(state.policy) if copy_ref else None
-    run.sched = make_scheduler(run, state)
-    if resume:
-        state = restore(run, state)
-    run.learner = Learner(models.policy_def, models.value_def, LearnerConfig.from_config(cfg),
-                          mesh=mesh, state=state, trainable=(keep_p, keep_v))
-    run.watch = CompileWatch(run.learner.compiled_fns())
-    run.grader = MathGrader.from_config(cfg.reward, cfg.data.format)
-    stack.callback(run.grader.close)
-    # Rows past the restored step are dropped (logged again); nothing restored: none are.
-    run.metrics = MetricsWriter(rd.local, tensorboard=cfg.logging.tensorboard,
-                                resume_step=run.start or None, wandb=wandb_settings(cfg))
-    stack.callback(run.metrics.close)
-    return run, state
-
-
-def reference_copy(params: Any) -> Any:
-    """A copy of ``params`` in their shardings that the updates cannot touch (they donate
-    the buffers of the params they replace)."""
-    return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
-
-
-def decode_shardings(cfg: Config, models: Models, mesh: Any) -> Any:
-    """The policy's param shardings in the decode layout (``mesh.decode_layout: decode``),
-    else None: rollout then reads the params as the updates lay them out."""
-    if cfg.mesh.decode_layout != "decode":
-        return None
-    return nnx.to_pure_dict(param_shardings(
-        nnx.state(nnx.merge(models.policy_def, models.policy)), mesh,
-        rules=layout_rules("decode")))
-
-
-def make_scheduler(run: Trainer, state: TrainState, *, window: int | None = None,
-                   pipeline: PromptPipeline | None = None, seed: int | None = None
-                   ) -> TruncatedRolloutScheduler:
-    """The run's rollout scheduler; ``window``/``pipeline``/``seed`` replace the config's
-    window, the run's prompt stream and ``train.seed`` (value pretraining's full-length
-    rollouts on a stream of their own)."""
-    r = run.cfg.rollout if window is None else replace(run.cfg.rollout, window=window)
-    prompts = (b[0] for b in (run.pipeline if pipeline is None else pipeline))
-    return TruncatedRolloutScheduler(
-        policy_module(run, state), prompts, run.encode, r, eos_ids=run.models.tokenizer.eos_ids,
-        sampling=run.sampling, seed=run.cfg.train.seed if seed is None else seed,
-        mesh=run.decode_mesh)
-
-
-def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models:
-    """The tokenizer, the policy (``load_policy``) and the critic (``model.value_init``);
-    with ``model.lora_rank > 0`` each gets fresh adapters (the critic when
-    ``model.value_lora``); then every param is placed on ``mesh``."""
-    tok, policy, tok_file = load_policy(cfg, run_dir, progress, mesh)
-    critic = load_critic(cfg, policy, mesh)  # from the plain policy: before its adapters
-    spec = lora_spec(cfg.model)
-    if spec is not None:
-        add_lora(policy, spec, seed=cfg.train.seed)
-        if cfg.model.value_lora:
-            add_lora(critic, spec, seed=cfg.train.seed + 1)
-    if mesh is not None:  # params carry their named shardings from here on
-        shard_model(policy, mesh)
-        shard_model(critic, mesh)
-    pdef, pstate = nnx.split(policy)
-    vdef, vstate = nnx.split(critic)
-    pparams, vparams = nnx.to_pure_dict(pstate), nnx.to_pure_dict(vstate)
-    if shares_base(cfg):  # one frozen base for both models
-        vparams = share_base(pparams, vparams)
-    return Models(tok, pdef, pparams, vdef, vparams, tok_file)
-
-
-def load_policy(cfg: Config, run_dir: Path, progress: bool, mesh=None
-                ) -> tuple[Tokenizer, Any, Path]:
-    """``(tokenizer, policy, tokenizer file)`` of the run's starting model, without adapters.
-    Tiny default: warm-started (the run dir's own copy, else the cache in its parent).
-    HF: loaded from disk. GGUF: converted once to an HF folder (cached in the run dir's
-    parent), then as HF."""
-    if cfg.model.source == "tiny":
-        tok, policy, folder = run_warmstart(cfg, run_dir, progress=progress, mesh=mesh)
-        return tok, policy, folder / "tokenizer.model"
-    from tppo_jax.models.hf import from_pretrained
-
-    path = model_folder(cfg, run_dir.parent)
-    tok_file = next((p for p in (path / "tokenizer.json", path / "tokenizer.model")
-                     if p.exists()), None)
-    if tok_file is None:
-        raise ConfigError(f"model.path {path}: no tokenizer.json or tokenizer.model found")
-    tok = Tokenizer.load(tok_file)
-    policy = from_pretrained(path, dtype=cfg.model.dtype, mesh=mesh,  # straight to shards
-                             remat=cfg.model.remat, attention=cfg.model.attention)
-    if mh.is_primary():  # the run's checkpoints then restore without model.path
-        record_model(run_dir, path / "config.json", tok_file)
-    return tok, policy, tok_file
-
-
-def load_critic(cfg: Config, policy: Any, mesh=None) -> ValueModel:
-    """The critic as ``model.value_init`` says: from ``policy``'s backbone (copied), from
-    ``model.value_path``, or random."""
-    if cfg.model.value_init == "path":
-        from tppo_jax.models.hf import from_pretrained
-        from tppo_jax.models.hub import resolve_model
-
-        value_folder = resolve_model(cfg.model.value_path or "", "model.value_path")
-        return ValueModel.from_policy(from_pretrained(value_folder, dtype=cfg.model.dtype,
-                                                      mesh=mesh, remat=cfg.model.remat,
-                                                      attention=cfg.model.attention))
-    if cfg.model.value_init == "random":
-        return ValueModel(policy.config, rngs=nnx.Rngs(cfg.train.seed + 1))
-    # Sharing the (frozen) base: no transient copy of it either
-    return ValueModel.from_policy(policy, seed=cfg.train.seed, copy=not shares_base(cfg))
-
-
-def model_folder(cfg: Config, cache_root: Path) -> Path:
-    """The HF folder of ``model.path``: as given, the snapshot of a Hub id in the HF cache
-    (``models/hub.py``), or (``model.source: gguf``) the GGUF file's conversion in
-    ``cache_root`` (process 0 converts; the others wait and read it)."""
-    if cfg.model.source != "gguf":
-        from tppo_jax.models.hub import resolve_model
-
-        return Path(resolve_model(cfg.model.path or ""))
-    from tppo_jax.models.gguf import GGUFError, cached_hf_folder, resolve_model_path
-
-    try:
-        gguf_file = resolve_model_path(cfg.model.path or "")
-        if mh.is_primary():
-            cached_hf_folder(gguf_file, cache_root)
-        mh.barrier("gguf")
-        return cached_hf_folder(gguf_file, cache_root)
-    except GGUFError as e:
-        raise ConfigError(str(e)) from None
-
-

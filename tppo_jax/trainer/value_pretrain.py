@@ -28,7 +28,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -39,17 +39,18 @@ from tppo_jax.config import Config
 from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.learner.state import TrainState
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.trainer.batch import init_value_bias, learner_input
-from tppo_jax.trainer.collect import collect
-from tppo_jax.trainer.trainable import (
+from tppo_jax.trainer.collect import init_value_bias, learner_input
+from tppo_jax.trainer.params import (
     copy_trained,
     model_key,
     rejoin,
     trainable_keys,
     trained_part,
 )
-from tppo_jax.trainer.trainer import Trainer, make_scheduler
 from tppo_jax.trainer.warmstart import keyed_data, warmstart_key
+
+if TYPE_CHECKING:  # the Trainer calls this module
+    from tppo_jax.trainer.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -81,32 +82,32 @@ def pretrain_key(cfg: Config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def pretrain_value(run: Trainer, state: TrainState) -> TrainState:
+def pretrain_value(trainer: Trainer, state: TrainState) -> TrainState:
     """``state`` with its critic pretrained (``algo.value_pretrain_steps``; nothing on a
     resumed run or when 0). Single-host runs load or fill the cache beside the run dir
     (a run that finds another one filling it waits for it); multi-host runs pretrain in
     memory."""
-    cfg = run.cfg
-    if cfg.algo.value_pretrain_steps <= 0 or run.start:
+    cfg = trainer.cfg
+    if cfg.algo.value_pretrain_steps <= 0 or trainer.start:
         return state
     if jax.process_count() > 1:
-        value, curve = _pretrain(run, state)
-        return _with_value(run, state, value, curve, source="pretrained (multi-host, uncached)")
-    cache = run.run_dir.parent / f"value-pretrain-{pretrain_key(cfg)}"
+        value, curve = _pretrain(trainer, state)
+        return _with_value(trainer, state, value, curve, source="pretrained (multi-host, uncached)")
+    cache = trainer.run_dir.parent / f"value-pretrain-{pretrain_key(cfg)}"
     keep = trainable_keys(cfg)[1]  # LoRA: the cache holds what trains, not the base
     with _locked(cache):
         if not (cache / "DONE").exists():
-            value, curve = _pretrain(run, state)
+            value, curve = _pretrain(trainer, state)
             _save(cache, trained_part(value, keep), curve)
     value = rejoin(_restore(cache, trained_part(state.value, keep)), state.value, keep)
     curve = [json.loads(x) for x in (cache / CURVE).read_text().splitlines()]
-    return _with_value(run, state, value, curve, source=str(cache))
+    return _with_value(trainer, state, value, curve, source=str(cache))
 
 
-def _with_value(run: Trainer, state: TrainState, value: Any, curve: list[dict[str, Any]], *,
+def _with_value(trainer: Trainer, state: TrainState, value: Any, curve: list[dict[str, Any]], *,
                 source: str) -> TrainState:
-    if run.primary:
-        (run.run_dir / CURVE).write_text("".join(json.dumps(r) + "\n" for r in curve))
+    if trainer.primary:
+        (trainer.run_dir / CURVE).write_text("".join(json.dumps(r) + "\n" for r in curve))
     last = curve[-min(len(curve), 5):]
     log.info("value pretraining (%s): %d steps, explained variance %.3f -> %.3f (mean of the "
              "last %d)", source, len(curve), curve[0]["explained_variance"],
@@ -114,29 +115,29 @@ def _with_value(run: Trainer, state: TrainState, value: Any, curve: list[dict[st
     return dataclasses.replace(state, value=value)
 
 
-def _pretrain(run: Trainer, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
+def _pretrain(trainer: Trainer, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
     """``value_pretrain_steps`` critic-only steps on full-length rollouts of the frozen
     policy. Returns the critic's params and one row per step (its explained variance is the
     critic's before that step's update, on that step's new samples)."""
-    cfg = run.cfg
-    pipeline = PromptPipeline(run.train_rows, batch_size=1, seed=cfg.data.seed + SEED_OFFSET,
+    cfg = trainer.cfg
+    pipeline = PromptPipeline(trainer.train_rows, batch_size=1, seed=cfg.data.seed + SEED_OFFSET,
                               shard_index=jax.process_index(), shard_count=jax.process_count())
-    sched = make_scheduler(run, state, window=cfg.rollout.max_response_len, pipeline=pipeline,
-                           seed=cfg.train.seed + SEED_OFFSET)
+    sched = trainer.scheduler(window=cfg.rollout.max_response_len, pipeline=pipeline,
+                              seed=cfg.train.seed + SEED_OFFSET)
     # Copies: the updates donate their inputs, and the run's own critic and (fresh)
     # optimizer state must survive for the run itself.
     value = copy_trained(state.value, trainable_keys(cfg)[1])  # LoRA: the base is shared
     opt = jax.tree.map(jnp.copy, state.value_opt)
     n, curve, t0 = cfg.algo.value_pretrain_steps, [], time.time()
     bar = tqdm(range(n), desc="value pretraining", dynamic_ncols=True,
-               disable=not (run.progress and run.primary))
+               disable=not (trainer.progress and trainer.primary))
     for i in bar:
-        roll = collect(run, sched)
+        roll = trainer.collect(sched)
         if i == 0:
-            value = init_value_bias(run, value, roll)
-        batch, rows = learner_input(run, roll, i + SEED_OFFSET)
+            value = init_value_bias(value, roll, cfg)
+        batch, rows = learner_input(roll, cfg, trainer.mesh, i + SEED_OFFSET)
         critic_only = dataclasses.replace(state, value=value, value_opt=opt)
-        critic_only, out = run.learner.step(critic_only, batch, rows, train_policy=False)
+        critic_only, out = trainer.learner.step(critic_only, batch, rows, train_policy=False)
         value, opt = critic_only.value, critic_only.value_opt
         stats = mh.tree_to_host(out.value)
         tot = mh.sum_over_hosts({"fin": len(roll.fin), "correct": roll.correct.sum()})
@@ -148,7 +149,7 @@ def _pretrain(run: Trainer, state: TrainState) -> tuple[Any, list[dict[str, Any]
         curve.append(row)
         bar.set_postfix(ev=f"{row['explained_variance']:.2f}")
         sched.release_finished(roll.rb.finished)
-    run.watch.take()  # its compiles are not the first training step's
+    trainer.watch.take()  # its compiles are not the first training step's
     return value, curve
 
 

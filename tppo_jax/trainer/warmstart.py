@@ -34,7 +34,7 @@ from tppo_jax.data.run_data import synthetic_task
 from tppo_jax.models.hf import from_pretrained, save_pretrained
 from tppo_jax.models.tokenizer import Tokenizer, train_sentencepiece
 from tppo_jax.models.transformer import ModelConfig, Transformer, create_model
-from tppo_jax.trainer.trainable import model_key
+from tppo_jax.trainer.params import model_key
 
 log = logging.getLogger(__name__)
 

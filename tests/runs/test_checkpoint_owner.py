@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tppo_jax.trainer.run_claim import OWNER, RUN_ID, checkpoint_owner, claim_run_dir
-from tppo_jax.trainer.run_dir import LOCK, RunDirError, resolve_run_dir
+from tppo_jax.runs.run_claim import OWNER, RUN_ID, checkpoint_owner, claim_run_dir
+from tppo_jax.runs.run_dir import LOCK, RunDirError, resolve_run_dir
 
 
 def _run_with_steps(run, steps=(10, 12), checkpoint_dir=""):
@@ -54,8 +54,8 @@ def test_an_external_folder_is_owned_and_locked_by_its_run(tmp_path):
         assert (ckpt / LOCK).exists()
         # A copy of the run (same id) on the same folder at the same time: one writer.
         shutil.copytree(tmp_path / "A", tmp_path / "A2", ignore=shutil.ignore_patterns(LOCK))
-        code = ("from tppo_jax.trainer.run_claim import claim_run_dir;"
-                "from tppo_jax.trainer.run_dir import resolve_run_dir;"
+        code = ("from tppo_jax.runs.run_claim import claim_run_dir;"
+                "from tppo_jax.runs.run_dir import resolve_run_dir;"
                 f"claim_run_dir(resolve_run_dir({str(tmp_path / 'A2')!r}, {str(ckpt)!r}), True)")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            timeout=120)

@@ -6,7 +6,7 @@ same epath calls a gs:// URL goes through) and URL handling is checked as string
 
 from dataclasses import replace
 
-from tppo_jax.trainer.run_dir import copy_tree, is_url, mirror, pull, resolve_run_dir
+from tppo_jax.runs.run_dir import copy_tree, is_url, mirror, pull, resolve_run_dir
 
 
 def test_local_run_dir_is_made_absolute(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 
 from tppo_jax import cli
 from tppo_jax.config import load_config
-from tppo_jax.trainer.run_config import run_config_text
+from tppo_jax.runs.run_config import run_config_text
 
 
 @pytest.mark.parametrize(("steps", "needle"), [
@@ -31,8 +31,8 @@ def test_resuming_a_finished_run_is_refused_and_rewrites_nothing(tmp_path, capsy
 
 
 def test_raising_train_steps_is_not_refused(tmp_path):
-    from tppo_jax.trainer.run_claim import finished_problem
-    from tppo_jax.trainer.run_dir import resolve_run_dir
+    from tppo_jax.runs.run_claim import finished_problem
+    from tppo_jax.runs.run_dir import resolve_run_dir
 
     (tmp_path / "checkpoints" / "8").mkdir(parents=True)
     finished_problem(resolve_run_dir(tmp_path), 12)

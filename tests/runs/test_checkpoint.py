@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from tppo_jax.trainer.checkpoint import ITEMS, Checkpointer
+from tppo_jax.runs.checkpoint import ITEMS, Checkpointer
 
 
 def _trees(x: float):
@@ -35,7 +35,7 @@ def test_nan_params_are_not_checkpointed(tmp_path):
 
 
 def test_checkpoint_path_keeps_bucket_urls(tmp_path, monkeypatch):
-    from tppo_jax.trainer.checkpoint import checkpoint_path
+    from tppo_jax.runs.checkpoint import checkpoint_path
 
     # gs:// must reach Orbax untouched (pathlib would turn "gs://b" into "gs:/b").
     assert str(checkpoint_path("gs://bkt/runs/x/checkpoints")) == "gs://bkt/runs/x/checkpoints"
@@ -63,7 +63,7 @@ def test_a_checkpoint_of_per_layer_params_is_refused_in_one_line(tmp_path):
     import orbax.checkpoint as ocp
     import pytest
 
-    from tppo_jax.trainer.checkpoint import CheckpointError
+    from tppo_jax.runs.checkpoint import CheckpointError
 
     ck = Checkpointer(tmp_path / "ckpt", every=1, keep=5)
     old = {"policy": {"layers": {"0": {"w": jnp.ones(3)}}}}

@@ -6,7 +6,7 @@ a run shows what the model writes, not only how it scores.
 A row is appended whole or not at all (``append_whole``): on a full disk the file keeps its
 earlier rows and parses; the failure is an ``OSError`` naming the file. TensorBoard events
 are a mirror: a write that fails there turns TensorBoard off with one warning, never
-blocking or stopping the run; W&B likewise (``trainer/wandb_log.py``)."""
+blocking or stopping the run; W&B likewise (``runs/wandb_log.py``)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from tppo_jax.trainer.run_dir import write_atomic
+from tppo_jax.runs.run_dir import write_atomic
 
 if TYPE_CHECKING:
-    from tppo_jax.trainer.wandb_log import WandbSettings
+    from tppo_jax.runs.wandb_log import WandbSettings
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class MetricsWriter:
             self._tb_writes = [_guard_writes(w) for w in self.tb.all_writers.values()]
         self.wandb = None
         if self.enabled and wandb is not None:
-            from tppo_jax.trainer.wandb_log import WandbLogger
+            from tppo_jax.runs.wandb_log import WandbLogger
 
             self.wandb = WandbLogger(Path(run_dir), wandb)
 

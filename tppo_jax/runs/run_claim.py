@@ -17,8 +17,8 @@ from pathlib import Path
 from etils import epath
 
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.trainer.checkpoint import checkpoint_path, listed_steps
-from tppo_jax.trainer.run_dir import (
+from tppo_jax.runs.checkpoint import checkpoint_path, listed_steps
+from tppo_jax.runs.run_dir import (
     RunDir,
     RunDirError,
     found_logs,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tppo_jax.trainer.run_dir import write_atomic
+from tppo_jax.runs.run_dir import write_atomic
 
 if TYPE_CHECKING:
     from tppo_jax.config import Config

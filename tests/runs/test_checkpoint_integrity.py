@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tppo_jax.trainer.checkpoint import ITEMS, Checkpointer, CheckpointError
-from tppo_jax.trainer.manifest import MANIFEST, list_files, read_manifest
+from tppo_jax.runs.checkpoint import ITEMS, Checkpointer, CheckpointError
+from tppo_jax.runs.manifest import MANIFEST, list_files, read_manifest
 
 ALL_ITEMS = (*ITEMS, "meta")
 
@@ -173,8 +173,8 @@ def _save_unchecked(ck, step, trees, meta, *, manifest):
     save's finite check, with or without its manifest."""
     import orbax.checkpoint as ocp
 
-    from tppo_jax.trainer.checkpoint import PARAM_LAYOUT
-    from tppo_jax.trainer.manifest import write_manifest
+    from tppo_jax.runs.checkpoint import PARAM_LAYOUT
+    from tppo_jax.runs.manifest import write_manifest
 
     args = {k: ocp.args.StandardSave(t) for k, t in trees.items()}
     meta = {**meta, "param_layout": PARAM_LAYOUT}

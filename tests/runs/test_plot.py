@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tppo_jax.trainer.plot import PANELS, plot_runs, read_evals
+from tppo_jax.runs.plot import PANELS, plot_runs, read_evals
 
 
 def test_plot_panels_evals_and_smoothing_note(tmp_path, monkeypatch):
@@ -46,7 +46,7 @@ def test_plot_panels_evals_and_smoothing_note(tmp_path, monkeypatch):
 
 def test_scheduled_lrs_warm_up_then_hold():
     from tppo_jax.config import load_config
-    from tppo_jax.learner.optim import scheduled_lrs
+    from tppo_jax.learner.state import scheduled_lrs
 
     cfg = load_config(None, ["optim.warmup_steps=2", "optim.policy_lr=1e-3",
                              "optim.value_lr=2e-3"])

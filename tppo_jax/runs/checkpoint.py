@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
+from tppo_jax.config import ConfigError
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.multihost import global_to_host
-from tppo_jax.trainer.manifest import MANIFEST, check, write_manifest
+from tppo_jax.runs.manifest import MANIFEST, check, write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def checkpoint_path(directory: str | Path) -> epath.Path:
 # ``TruncatedRolloutScheduler.checkpoint_items()``); the Checkpointer itself saves and
 # restores whatever trees it is given. kv_cache: the scheduler's cache of unfinished rows,
 # so a resumed run continues exactly as an uninterrupted one would. policy_ema: only with
-# optim.policy_ema (trainer/ema.py).
+# optim.policy_ema (trainer/params.py).
 ITEMS = ("policy", "value", "policy_opt", "value_opt", "slots", "kv_cache", "policy_ema")
 # Items a save refuses to write when they hold NaN or inf (a diverged run's params).
 FINITE_ITEMS = ("policy", "value", "policy_ema")
@@ -86,9 +87,21 @@ def listed_steps(directory: str | Path) -> tuple[list[int], list[str]]:
     return steps, damaged
 
 
+def host_meta(meta: dict[str, Any]) -> dict[str, Any]:
+    """This host's part of a checkpoint's metadata (data iterator and scheduler state)."""
+    if "hosts" not in meta:  # written by a single-host version without per-host state
+        return meta
+    n = int(meta.get("num_processes", len(meta["hosts"])))
+    if n != jax.process_count():
+        raise ConfigError(f"checkpoint at step {meta['step']} was written by {n} processes; "
+                          f"this run has {jax.process_count()} (per-host data and rollout "
+                          f"state cannot be re-split)")
+    return meta["hosts"][jax.process_index()]
+
+
 class Checkpointer:
     """Saves every ``every`` steps (and on demand), keeps the last ``keep``; each save gets
-    a content manifest (``trainer/manifest.py``) that restores check first."""
+    a content manifest (``runs/manifest.py``) that restores check first."""
 
     def __init__(self, directory: str | Path, *, every: int, keep: int) -> None:
         self.directory = checkpoint_path(directory)

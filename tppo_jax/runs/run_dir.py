@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 LOCK = ".lock"  # RUN/.lock: the advisory lock of the run's one writer
 # The logs a training run writes into its directory (besides config.yaml, the warm-start or
 # model files, and checkpoints): what a new run must not append to, and what --start-over
-# moves aside (wandb_id: the W&B run a resume continues, trainer/wandb_log.py).
+# moves aside (wandb_id: the W&B run a resume continues, runs/wandb_log.py).
 LOGS = ("metrics.jsonl", "samples.jsonl", "eval_before.json", "summary.json",
         "value_pretrain.jsonl", "tensorboard", "wandb_id")
 # Errors of a write that found no room: the disk, the user's quota, the largest file allowed.

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tppo_jax.config import Config, load_config
-from tppo_jax.trainer.metrics import MetricsWriter
-from tppo_jax.trainer.run_config import frozen
-from tppo_jax.trainer.wandb_log import ID_FILE, WandbSettings, wandb_settings
+from tppo_jax.runs.metrics import MetricsWriter
+from tppo_jax.runs.run_config import frozen
+from tppo_jax.runs.wandb_log import ID_FILE, WandbSettings, wandb_settings
 
 OFF = "W&B logging is off, metrics.jsonl goes on"
 SAMPLE = {"prompt": "1+1?", "completion": "\\boxed{2}", "answer": "2", "reward": 1.0,

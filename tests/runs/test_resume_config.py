@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from tppo_jax.config import ConfigError, load_config
-from tppo_jax.trainer.run_config import changes, frozen, resume_config
+from tppo_jax.runs.run_config import changes, frozen, resume_config
 
 
 @pytest.fixture
