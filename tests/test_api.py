@@ -74,3 +74,21 @@ def test_version_flag(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("tppo-jax ")
+
+
+@pytest.mark.slow  # warm-start, two steps and an eval of the smoke config
+def test_the_python_docs_trainer_example_runs(tmp_path, monkeypatch, capsys):
+    """docs/python.md's step-by-step ``Trainer`` example, as written: two steps, a
+    checkpoint and a held-out eval."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "python.md").read_text()
+    block = text.split("## A run step by step", 1)[1].split("```python\n", 1)[1]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block.split("```", 1)[0], "docs/python.md", "exec"), {})
+    lines = capsys.readouterr().out.split("\n")
+    steps = [line.split() for line in lines if len(line.split()) == 3]
+    assert [int(s[0]) for s in steps] == [1, 2] and all(int(s[2]) > 0 for s in steps)
+    assert 0.0 <= float(next(x for x in lines if len(x.split()) == 1)) <= 100.0
+    assert (tmp_path / "runs" / "by_hand" / "checkpoints" / "2").is_dir()
+    assert len((tmp_path / "runs" / "by_hand" / "metrics.jsonl").read_text().splitlines()) == 2
