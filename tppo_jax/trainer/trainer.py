@@ -34,11 +34,13 @@ from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from tppo_jax.buckets import CompileWatch, enable_compile_cache
 from tppo_jax.config import Config, TrainConfig, validate
 from tppo_jax.data.pipeline import PromptPipeline
+from tppo_jax.data.readers import MathExample
 from tppo_jax.data.run_data import load_data, prompt_rows
 from tppo_jax.eval.diagnose import no_answer_warning
 from tppo_jax.eval.heldout import EvalEngines, eval_record, evaluate
@@ -62,10 +64,10 @@ from tppo_jax.runs.checkpoint import Checkpointer, host_meta
 from tppo_jax.runs.metrics import MetricsWriter
 from tppo_jax.runs.run_claim import claim_run_dir
 from tppo_jax.runs.run_config import run_config_text
-from tppo_jax.runs.run_dir import mirror, pull, resolve_run_dir, write_atomic
+from tppo_jax.runs.run_dir import RunDir, mirror, pull, resolve_run_dir, write_atomic
 from tppo_jax.runs.wandb_log import wandb_settings
 from tppo_jax.trainer.collect import Rollout, collect, init_value_bias, learner_input
-from tppo_jax.trainer.models import decode_shardings, load_models, reference_copy
+from tppo_jax.trainer.models import Models, decode_shardings, load_models, reference_copy
 from tppo_jax.trainer.params import (
     evaluated,
     saved_items,
@@ -152,10 +154,32 @@ class Trainer:
     a context manager) to release the run dir: the checkpoint manager closes first, so a
     failed save's last reports come out before the run's stop message."""
 
+    cfg: Config
+    rd: RunDir  # the run dir (``run_dir``: its local copy; a bucket run's staging folder)
+    ckpt: Checkpointer | None
+    mesh: Mesh  # the training mesh
+    decode_mesh: Mesh  # rollout's and eval's: ``mesh`` unless ``mesh.decode_tensor`` is set
+    models: Models  # tokenizer and graph defs (the params live in ``state``)
+    train_rows: list[MathExample]
+    eval_rows: list[MathExample]
+    encode: Callable[[MathExample], list[int]]  # a row's prompt tokens
+    pipeline: PromptPipeline  # this host's prompt stream (its state is checkpointed)
+    sampling: SamplingParams
+    sched: TruncatedRolloutScheduler
+    learner: Learner
+    watch: CompileWatch
+    grader: MathGrader
+    metrics: MetricsWriter
+    state: TrainState  # what the updates change
+    start: int  # the step the run (re)started from
+    eval_before: dict[str, Any] | None
+    ref_policy: Any  # the KL reference (``algo.kl_coef > 0`` without LoRA), else None
+    progress: bool
+
     def __init__(self, cfg: Config, run_dir: str | Path, *, resume: bool = False,
                  progress: bool = True) -> None:
         self._stack = contextlib.ExitStack()
-        self.ckpt: Checkpointer | None = None
+        self.ckpt = None
         try:
             self._build(cfg, run_dir, resume, progress)
         except BaseException:
