@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tppo_jax.kernels.attention import CausalMask, attention, resolve_impl
+from tppo_jax.kernels.attention import (
+    CausalMask,
+    attention,
+    attention_mesh,
+    resolve_impl,
+    traced_on,
+)
 from tppo_jax.models.transformer import ModelConfig, Transformer
 from tppo_jax.parallel.mesh import make_mesh
 
@@ -71,6 +77,36 @@ def test_auto_on_cpu_is_the_dense_path_bit_for_bit_for_short_sequences():
         assert resolve_impl("auto", q, k, mask, platform="tpu") == "splash"
     assert resolve_impl("auto", q, k, mask, platform="gpu") == "chunked"  # float32: no cuDNN
     assert resolve_impl("auto", q.astype(jnp.bfloat16), k, mask, platform="gpu") == "cudnn"
+
+
+def test_attention_mesh_makes_auto_splash_on_tpu_and_nothing_else_sees_it():
+    q, k, v, mask = _inputs(CASES[0])
+    mesh = make_mesh({"data": 1}, devices=jax.devices()[:1])
+    with attention_mesh(mesh):
+        assert resolve_impl("auto", q, k, mask, platform="tpu") == "splash"
+        assert resolve_impl("auto", q, k, mask, platform="cpu") == "dense"
+        assert jax.sharding.get_abstract_mesh().empty  # not jax's mesh context
+    assert resolve_impl("auto", q, k, mask, platform="tpu") == "chunked"
+
+
+def test_splash_per_shard_on_a_traced_on_mesh_equals_dense(devices8):
+    """A program traced on an 8-device mesh (``traced_on``, as the learner's and the
+    prefill's are) runs splash per shard in ``shard_map``: rows over data x fsdp, heads over
+    tensor; the Pallas interpreter stands in for the TPU."""
+    q, k, v, mask = _inputs((4, 13, 13, 4, 2, 8, 4, (10, 13, 13, 3)))
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+
+    def splash(q, k, v, m):
+        return attention(q, k, v, m, "splash", interpret=True)
+
+    try:
+        want = splash(q, k, v, mask)  # on one device
+    except Exception as e:  # noqa: BLE001 - an interpreter that cannot run the kernel
+        pytest.skip(f"splash does not run in the Pallas interpreter here: {e}")
+    assert "shard_map" in str(jax.make_jaxpr(traced_on(splash, mesh))(q, k, v, mask))
+    got = jax.jit(traced_on(splash, mesh))(q, k, v, mask)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, attention(q, k, v, mask, "dense"), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[3]])

@@ -74,10 +74,21 @@ def _run(mesh):
 
 @pytest.mark.parametrize("shape", [{"fsdp": 4, "tensor": 2}, {"data": 8}])
 @pytest.mark.slow  # ~39 s in one process on 2 shared cores
-def test_sharded_update_equals_unsharded(devices8, shape):
+def test_sharded_update_equals_unsharded(devices8, shape, monkeypatch):
+    from tppo_jax.kernels import attention as attn
+
     want, _ = _run(None)
     mesh = make_mesh(shape)
+    seen, resolve = [], attn.resolve_impl  # the mesh each attention traced on
+
+    def spy(*args, **kwargs):
+        seen.append(attn.kernel_mesh())
+        return resolve(*args, **kwargs)
+
+    monkeypatch.setattr(attn, "resolve_impl", spy)
     got, live = _run(mesh)  # inputs carry their shardings; jit propagates them
+    # Every program traced on the learner's mesh: splash attention on TPU, per shard
+    assert seen and all(m is mesh for m in seen), seen
     if "tensor" in shape:  # params really are sharded, not silently replicated
         gate = live["backbone"]["layers"]["mlp"]["gate"]  # [L, H, I]
         assert gate.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor"), \

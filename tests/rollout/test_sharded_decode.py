@@ -29,10 +29,20 @@ def _decode(model, mesh=None):
 
 
 @pytest.mark.slow  # ~12 s in one process on 2 shared cores
-def test_sharded_greedy_decode_equals_unsharded(devices8):
+def test_sharded_greedy_decode_equals_unsharded(devices8, monkeypatch):
+    from tppo_jax.kernels import attention as attn
+
     want = _decode(create_model(CFG, seed=0))
     mesh = make_mesh({"fsdp": 4, "tensor": 2})
+    seen, resolve = [], attn.resolve_impl  # the mesh the prefill's attention traced on
+
+    def spy(*args, **kwargs):
+        seen.append(attn.kernel_mesh())
+        return resolve(*args, **kwargs)
+
+    monkeypatch.setattr(attn, "resolve_impl", spy)
     got = _decode(create_model(CFG, seed=0, mesh=mesh), mesh)
+    assert seen and all(m is mesh for m in seen), seen  # splash on TPU, per shard
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], atol=1e-5)
 

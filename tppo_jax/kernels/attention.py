@@ -20,7 +20,9 @@ row) gets a uniform softmax over every key instead of NaNs, as ``MASK_VALUE`` gi
              ids, so every real query sees exactly the keys "dense" gives it.
   "cudnn"    ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, bf16/fp16, no
              query offset); padding as ``key_value_seq_lengths``, i.e. right padding only.
-  "auto"     splash on TPU under a mesh context (``jax.set_mesh``; chunked without one),
+  "auto"     splash on TPU under a mesh context (``jax.set_mesh``, or ``traced_on``: the
+             learner's and the rollout prefill's programs trace on their mesh; chunked
+             without one),
              cudnn on GPU where it applies (chunked otherwise), and on CPU dense while
              ``T * S <= AUTO_DENSE_MAX`` (small shapes stay bit-identical to the dense path)
              and chunked beyond.
@@ -30,8 +32,11 @@ Softmax statistics are float32 in every implementation; "splash" scales q before
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Literal, get_args
+from collections.abc import Callable, Iterator
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -262,18 +267,56 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 # -------------------------------------------------------------------------------- splash
 
 
-def under_project_mesh() -> bool:
-    """Whether tracing runs under ``jax.set_mesh`` of a (data, fsdp, tensor) mesh."""
+# The mesh the program being traced runs on, for the attention kernels alone (``traced_on``).
+_KERNEL_MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("attention_mesh",
+                                                                   default=None)
+
+
+@contextlib.contextmanager
+def attention_mesh(mesh: Any) -> Iterator[None]:
+    """Tells the attention kernels traced inside that the program runs on ``mesh`` (a
+    ``jax.sharding.Mesh``): "auto" is then splash on TPU, run per shard in ``shard_map``.
+    Unlike ``jax.set_mesh`` it changes nothing else about tracing (no other op sees it)."""
+    token = _KERNEL_MESH.set(mesh)
+    try:
+        yield
+    finally:
+        _KERNEL_MESH.reset(token)
+
+
+def traced_on(fn: Callable, mesh: Any) -> Callable:
+    """``fn`` whose body runs under ``attention_mesh(mesh)``: jitted, it traces with the
+    attention kernels told its mesh (``fn`` itself when ``mesh`` is None)."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def on_mesh(*args: Any, **kwargs: Any) -> Any:
+        with attention_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    return on_mesh
+
+
+def kernel_mesh() -> Any:
+    """The mesh of ``jax.set_mesh`` when set, else of ``attention_mesh``, else None."""
     mesh = jax.sharding.get_abstract_mesh()
-    return not mesh.empty and set(MESH_AXES) <= set(mesh.axis_names)
+    return mesh if not mesh.empty else _KERNEL_MESH.get()
+
+
+def under_project_mesh() -> bool:
+    """Whether tracing runs on a (data, fsdp, tensor) mesh (``jax.set_mesh`` or
+    ``attention_mesh``)."""
+    mesh = kernel_mesh()
+    return mesh is not None and set(MESH_AXES) <= set(mesh.axis_names)
 
 
 def _splash(q, k, v, mask: CausalMask, block_size: int, interpret: bool) -> jax.Array:
-    """Splash attention. Under a mesh context (``jax.set_mesh``) with the project's axes it
+    """Splash attention. On a mesh with the project's axes (``kernel_mesh``) it
     runs per shard in ``shard_map`` (rows over the batch axes, heads over the head axes): the
     partitioner cannot split a Mosaic kernel by itself."""
     valid = jnp.ones(k.shape[:2], bool) if mask.kv_valid is None else mask.kv_valid.astype(bool)
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = kernel_mesh()
     if not under_project_mesh() or mesh.size == 1:
         return _splash_local(q, k, v, valid, mask.q_offset, block_size, interpret)
     row = named_sharding(mesh, ("batch",), valid.shape[:1]).spec[0]

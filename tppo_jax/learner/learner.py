@@ -28,6 +28,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tppo_jax import algo
+from tppo_jax.kernels.attention import traced_on
 from tppo_jax.learner.batch import (
     PolicyRows,
     Targets,
@@ -107,11 +108,12 @@ def placed(tree: Any, mesh: Any) -> Any:
 
 def _jit(fn: Callable, mesh: Any, in_shardings: Any = None, out_shardings: Any = None,
          **kw: Any) -> Callable:
-    """``jax.jit``; on a mesh with the given shardings declared."""
+    """``jax.jit``; on a mesh with the given shardings declared, traced on the mesh (splash
+    attention on TPU runs per shard)."""
     if mesh is not None:
         kw.update({k: v for k, v in (("in_shardings", in_shardings),
                                      ("out_shardings", out_shardings)) if v is not None})
-    return jax.jit(fn, **kw)
+    return jax.jit(traced_on(fn, mesh), **kw)
 
 
 def group_grads(loss_fn: Callable, params: Any, mb: Any, denoms: dict[str, jax.Array],

@@ -32,7 +32,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from tppo_jax.kernels.attention import IMPLS, CausalMask, attention, under_project_mesh
+from tppo_jax.kernels.attention import (
+    IMPLS,
+    CausalMask,
+    attention,
+    kernel_mesh,
+    under_project_mesh,
+)
 from tppo_jax.models.cache import DenseKVCache, KVCache
 from tppo_jax.parallel.mesh import named_sharding
 
@@ -238,8 +244,8 @@ class Attention(nnx.Module):
         stores their k/v: no ``[B, T, max_len]`` scores over the cache's full length."""
         q, k, v = self._qkv(x, positions, inv_freq)
         if prefill:
-            # splash runs per shard under a mesh context (the compile path's); without one a
-            # multi-chip program could not partition it: chunked
+            # splash runs per shard on the program's mesh (``kernels.attention.traced_on``);
+            # without one a multi-chip program could not partition it: chunked
             impl = "chunked" if self.impl == "splash" and not under_project_mesh() else self.impl
             out = attention(q, k, v, CausalMask.from_attention_mask(valid), impl)
             return project(self, "o", out), cache.write(layer_idx, k, v, positions, valid)
@@ -338,7 +344,7 @@ class Backbone(nnx.Module):
             c = step(nnx.merge(graphdef, layer_state), c, i)
             if pin and isinstance(c, jax.Array) and c.ndim == 3:
                 c = jax.lax.with_sharding_constraint(c, named_sharding(
-                    jax.sharding.get_abstract_mesh(), ("batch",), c.shape[:1]))
+                    kernel_mesh(), ("batch",), c.shape[:1]))
             return c, None
 
         if remat:

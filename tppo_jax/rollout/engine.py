@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh
 
+from tppo_jax.kernels.attention import traced_on
 from tppo_jax.parallel.multihost import host_to_global
 from tppo_jax.rollout import kv_slots
 from tppo_jax.rollout import pages as pg
@@ -155,9 +156,11 @@ class DecodeEngine:
         self._graphdef, self._init_state = nnx.split(model)
         self.version = 0
         self._next_seq = 0
-        self._prefill_fn = jax.jit(self._prefill_impl)
+        # The prefills attend with the training attention: traced on the mesh (splash on TPU)
+        self._prefill_fn = jax.jit(traced_on(self._prefill_impl, mesh))
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=0)
-        self._prefill_slots_fn = jax.jit(self._prefill_slots_impl, donate_argnums=1)
+        self._prefill_slots_fn = jax.jit(traced_on(self._prefill_slots_impl, mesh),
+                                         donate_argnums=1)
         self._share_fn = jax.jit(self._share_impl, donate_argnums=0)
         self._share_rows_fn = jax.jit(self._share_rows_impl, donate_argnums=0)
         self._place_fn = jax.jit(self._place_impl, donate_argnums=0)
