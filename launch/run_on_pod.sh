@@ -100,7 +100,7 @@ print(c.model.path or "-", c.model.value_path or "-")' "$config" ${overrides[@]+
   fi
 
   # A gs:// run dir goes to tppo train as is: Orbax writes the checkpoints there (every
-  # host its own shards) and process 0 mirrors the logs there (tppo_jax/trainer/run_dir.py).
+  # host its own shards) and process 0 mirrors the logs there (tppo_jax/runs/run_dir.py).
   local worker
   worker="$(worker_id)"
   local cmd=(.venv/bin/tppo train --run-dir "$run_dir" ${args[@]+"${args[@]}"}
