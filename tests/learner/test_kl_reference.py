@@ -92,8 +92,8 @@ def test_run_reference_is_the_starting_policy_and_survives_updates(tmp_path):
         push = TrainHooks(before_update=lambda _, t: t.replace(
             advantages=t.policy_mask.astype(jnp.float32)))
         kls = []
-        for step in range(3):
-            upd = run.update(run.collect(), step, push)
+        for _ in range(3):
+            upd = run.update(run.collect(), push)
             kls.append(float(upd.pstats.get("kl_ref", -1.0)))
         assert kls[0] < 1e-5 < kls[-1], kls  # ~0 at the reference (fp noise); > 0 once moved
         run.checkpoint(last=True)

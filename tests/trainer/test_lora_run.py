@@ -82,8 +82,8 @@ def test_lora_run_trains_only_adapters_and_checkpoints_and_exports_them(tmp_path
         push = TrainHooks(before_update=lambda _, t: t.replace(
             advantages=t.policy_mask.astype(jnp.float32)))
         kls = []
-        for step in range(2):
-            upd = run.update(run.collect(), step, push)
+        for _ in range(2):
+            upd = run.update(run.collect(), push)
             kls.append(float(upd.pstats["kl_ref"]))
         assert kls[0] < 1e-6 < kls[-1], kls  # ~0 at the base (fp noise); > 0 once moved
         run.checkpoint(last=True)

@@ -61,8 +61,8 @@ def test_run_averages_the_policy_checkpoints_and_reads_the_average(tmp_path):
         state = run.state
         want = _leaves(state.policy)
         _close(state.policy_ema, state.policy, rtol=0, atol=0)  # starts at the policy
-        for step in range(3):
-            run.update(run.collect(), step, push)
+        for _ in range(3):
+            run.update(run.collect(), push)
             state = run.state
             live = _leaves(state.policy)
             want = [decay * w + (1 - decay) * p for w, p in zip(want, live, strict=True)]

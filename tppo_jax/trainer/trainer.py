@@ -389,10 +389,10 @@ class Trainer:
         # Open until the run closes: a SIGTERM during the last eval is not a kill.
         stopper = self._stack.enter_context(_StopOnSignal())
         self._stack.enter_context(self.watch)
-        for step in bar:
+        for _ in bar:
             self.watch.reset()  # held-out evals between steps are not step time
             roll = self.collect()
-            upd = self.update(roll, step, hooks)
+            upd = self.update(roll, hooks)
             row = self.log(roll, upd, train_time)
             train_time += time.time() - roll.t0
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", fin=int(row["finished"]))
@@ -424,11 +424,12 @@ class Trainer:
         return collect(self.sched if sched is None else sched, self.models.tokenizer,
                        self.grader, self.cfg, self.watch)
 
-    def update(self, roll: Rollout, step: int, hooks: TrainHooks | None = None) -> Update:
+    def update(self, roll: Rollout, hooks: TrainHooks | None = None) -> Update:
         """``Learner.step`` on the rollout (targets, then the policy's and the critic's
-        updates), then the scheduler samples from the new policy and frees the finished
-        rows' slots."""
+        updates; ``state.step`` goes one on), then the scheduler samples from the new
+        policy and frees the finished rows' slots."""
         cfg, state = self.cfg, self.state
+        step = state.step  # 0-based: the steps done so far
         if step == 0 and not cfg.algo.value_pretrain_steps:  # pretraining did it at its step 0
             state = dataclasses.replace(state, value=init_value_bias(state.value, roll, cfg))
         batch, rows = learner_input(roll, cfg, self.mesh, step)
