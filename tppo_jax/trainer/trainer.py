@@ -340,11 +340,10 @@ class Trainer:
         p = run_protocol(self.cfg)
         kw = dict(max_prompt_len=self.cfg.rollout.max_prompt_len, max_response_len=p.max_tokens,
                   mesh=self.decode_mesh, engines=self.eval_engines)
-        tok = self.models.tokenizer
-        sampled = evaluate(self.policy_module(state), tok, self.eval_rows, self.encode,
-                           self.grader, k=p.samples, sampling=p.sampling, seed=p.seed, **kw)
-        greedy = evaluate(self.policy_module(state), tok, self.eval_rows, self.encode,
-                          self.grader, **kw)
+        tok, policy = self.models.tokenizer, self.policy_module(state)  # one reshard
+        sampled = evaluate(policy, tok, self.eval_rows, self.encode, self.grader,
+                           k=p.samples, sampling=p.sampling, seed=p.seed, **kw)
+        greedy = evaluate(policy, tok, self.eval_rows, self.encode, self.grader, **kw)
         return eval_record(sampled, greedy, p.samples)
 
     def evaluate_before(self) -> dict[str, Any]:
