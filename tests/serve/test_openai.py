@@ -3,6 +3,9 @@ decodes, greedily, the same tokens over HTTP (whole and streamed) as over JetStr
 as the engine itself; bad requests get a 4xx with a reason while the server keeps serving."""
 
 import json
+import socket
+import struct
+import time
 
 import grpc
 import jax
@@ -24,6 +27,7 @@ from tppo_jax.rollout.engine import DecodeEngine
 from tppo_jax.rollout.jetstream_engine import JetStreamEngine
 from tppo_jax.rollout.server import EngineServer
 from tppo_jax.rollout.tokenizer_adapter import encode_request_text
+from tppo_jax.serve.chat import MAX_TOP_LOGPROBS, Sampling
 from tppo_jax.serve.client import ServerError, request, stream
 from tppo_jax.serve.openai import OpenAIServer, TextStream
 
@@ -31,6 +35,9 @@ FIXTURE = __import__("pathlib").Path(__file__).parents[1] / "fixtures" / "hf" / 
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}w10 {% else %}w11 {% endif %}"
             "{{ m['content'] }} w12 {% endfor %}{% if add_generation_prompt %}w13{% endif %}")
 N = 8
+MAX_CONN = 4  # handler threads of the fixture's HTTP server
+IDLE = 1.5  # seconds its sockets wait on a client
+ENCODED: list[int] = []  # the length of every text the server tokenized
 
 
 def _tokenizer(tmp_path) -> Tokenizer:
@@ -56,13 +63,20 @@ def served(tmp_path_factory):
     model = from_pretrained(FIXTURE)
     nnx.update(model, jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x,
                                    nnx.state(model, nnx.Param)))
-    core = DecodeEngine(model, eos_ids=(2,), kv_cache="paged", max_slots=2,
-                        max_target_length=64, page_size=16, sampling=SamplingParams(greedy=True))
+    core = DecodeEngine(model, eos_ids=(2,), kv_cache="paged", max_slots=4,
+                        max_target_length=64, page_size=16, sampling=SamplingParams(
+                            temperature=0.0, per_row=True, top_logprobs=MAX_TOP_LOGPROBS))
     engine = JetStreamEngine(core, tok, max_prefill_length=32)
+
+    def encode(text):
+        ENCODED.append(len(text))
+        return encode_request_text(tok, text)
+
     with EngineServer(engine) as grpc_server, OpenAIServer(
-            grpc_server.decode_ids, tok, lambda t: encode_request_text(tok, t),
-            sampling=core.sampling, model_name="fixture", max_tokens=N,
-            max_tokens_limit=16) as http:
+            grpc_server.decode_steps, tok, encode,
+            sampling=Sampling(temperature=0.0, top_p=1.0), model_name="fixture", max_tokens=N,
+            max_tokens_limit=16, max_prompt_tokens=32, max_connections=MAX_CONN,
+            idle_timeout=IDLE) as http:
         yield tok, engine, grpc_server, http
 
 
@@ -123,11 +137,15 @@ def test_chat_greedy_http_equals_grpc_equals_engine(served):
 
 
 @pytest.mark.parametrize("body,path,status,words", [
-    ({"messages": MESSAGES, "temperature": 0.7}, "/v1/chat/completions", 400, "temperature"),
+    ({"messages": MESSAGES, "temperature": -1}, "/v1/chat/completions", 400, "temperature"),
     ({"messages": []}, "/v1/chat/completions", 400, "messages"),
     ({"prompt": "w5", "max_tokens": 99}, "/v1/completions", 400, "limit"),
     ({"prompt": [5, 9999]}, "/v1/completions", 400, "vocabulary"),
-    ({"prompt": "w5", "n": 2}, "/v1/completions", 400, "n must be 1"),
+    ({"prompt": "w5", "n": 99}, "/v1/completions", 400, "n must be"),
+    ({"prompt": "w5", "stream": "false"}, "/v1/completions", 400, "stream must be true or false"),
+    ({"prompt": "w5", "best_of": 2}, "/v1/completions", 400, "unknown parameter 'best_of'"),
+    ({"prompt": "w5 " * 3000}, "/v1/completions", 400, "prompt limit of 32 tokens"),
+    ({"prompt": list(range(3, 40))}, "/v1/completions", 400, "at most 32"),
     ({"prompt": "w5"}, "/v1/embeddings", 404, "no route"),
 ])
 def test_bad_requests_are_refused_and_serving_goes_on(served, body, path, status, words):
@@ -144,3 +162,94 @@ def test_text_stream_holds_back_a_split_character():
     pieces = {(1,): "a\ufffd", (1, 2): "aé", (1, 2, 3): "aé b"}
     s = TextStream(lambda ids: pieces[tuple(ids)])
     assert [s.push(1), s.push(2), s.push(3), s.rest()] == ["", "aé", " b", ""]
+
+
+# ----------------------------------------------------------------- bounded by the server
+def _raw(http, data: bytes, timeout: float = 30.0) -> tuple[int, str]:
+    """Sends ``data`` as is; the status and the whole answer (headers and body)."""
+    with socket.create_connection((http.host, http.port), timeout=timeout) as sock:
+        sock.sendall(data)
+        got = b""
+        while chunk := sock.recv(1 << 16):
+            got += chunk
+    text = got.decode(errors="replace")
+    return int(text.split()[1]), text
+
+
+def _post(path: str, body: bytes, headers: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{headers}\r\n").encode() + body
+
+
+def _wait_for(cond, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def test_big_bodies_and_prompts_are_refused_unread(served):
+    _, _, _, http = served
+    ENCODED.clear()
+    # A body over the byte bound (from the 32-token prompt limit) is refused from its header.
+    head = f"POST /v1/completions HTTP/1.1\r\nContent-Length: {8 << 20}\r\n\r\n".encode()
+    status, text = _raw(http, head)
+    assert status == 413 and "at most" in text
+    # Within the byte bound, a text longer than the limit can hold is not tokenized.
+    big = json.dumps({"prompt": "w5 " * 5000}).encode()
+    status, text = _raw(http, _post("/v1/completions", big))
+    assert status == 400 and "prompt limit of 32 tokens" in text
+    status, _ = _raw(http, _post("/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "w5 " * 5000}]}).encode()))
+    assert status == 400
+    assert all(n <= 32 * 64 for n in ENCODED), ENCODED
+
+
+def test_connections_over_the_cap_get_503_and_idle_ones_time_out(served):
+    _, _, _, http = served
+    _wait_for(lambda: http.active_connections == 0)
+    idle = [socket.create_connection((http.host, http.port)) for _ in range(MAX_CONN)]
+    try:
+        _wait_for(lambda: http.active_connections == MAX_CONN)
+        status, text = _raw(http, _post("/v1/completions", b'{"prompt": "w5"}'))
+        assert status == 503 and "Retry-After: 1" in text
+        t0 = time.monotonic()
+        idle[0].settimeout(IDLE + 20)
+        assert idle[0].recv(100) == b""  # the server closed the silent socket
+        assert time.monotonic() - t0 < IDLE + 10
+    finally:
+        for s in idle:
+            s.close()
+    _wait_for(lambda: http.active_connections == 0)
+    assert request(http.host, http.port, "/v1/completions",
+                   {"prompt": "w5", "max_tokens": 1})["choices"]
+
+
+@pytest.mark.parametrize("data,status,words", [
+    (_post("/v1/completions", b"").replace(b"Content-Length: 0", b"Content-Length: -1"),
+     400, "Content-Length"),
+    (_post("/v1/completions", b"[" * 20_000 + b"]" * 20_000), 400, "nested too deeply"),
+    (_post("/v1/completions", b'{"prompt": "w5 \\ud800"}'), 400, "Unicode"),
+    (b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 411,
+     "Content-Length"),
+])
+def test_malformed_bodies_get_400_at_once(served, data, status, words):
+    _, _, _, http = served
+    t0 = time.monotonic()
+    got, text = _raw(http, data, timeout=IDLE + 20)
+    assert (got, words in text, "server_error" in text) == (status, True, False), text[-300:]
+    assert time.monotonic() - t0 < IDLE  # answered, not left to the idle timeout
+
+
+def test_a_client_that_leaves_is_one_log_line(served, capfd, caplog):
+    _, _, _, http = served
+    _wait_for(lambda: http.active_connections == 0)
+    capfd.readouterr()
+    for _ in range(3):
+        sock = socket.create_connection((http.host, http.port))
+        sock.sendall(_post("/v1/completions", b'{"prompt": "w5 w6 w7 w8 w9"}')[:-10])
+        # close with a reset: the server's read (or its answer) then fails
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    _wait_for(lambda: http.active_connections == 0)
+    assert "Traceback" not in capfd.readouterr().err

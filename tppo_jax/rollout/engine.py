@@ -85,7 +85,9 @@ class DecodeState:
 
     cache: ``DenseKVCache`` or ``PagedKVCache``; next_token / position / generated: ``[S]``
     int32 (pending token, its position = tokens cached, response tokens so far); seq_id:
-    ``[S]`` uint32 (RNG stream); live: ``[S]`` bool; rng: the engine's PRNG key.
+    ``[S]`` uint32 (RNG stream); live: ``[S]`` bool; rng: the engine's PRNG key;
+    temperature / top_p: ``[S]`` float32 each slot's sampling (read only when the engine
+    samples per row, ``SamplingParams.per_row``; set by ``insert``).
     """
 
     cache: Any
@@ -95,12 +97,15 @@ class DecodeState:
     seq_id: Array
     live: Array
     rng: Array
+    temperature: Array
+    top_p: Array
 
 
 class WindowResult(NamedTuple):
     """One ``generate_window`` call. tokens/logprobs: ``[S, W]`` (0 after count); count:
     ``[S]``; hit_eos / finished (EOS, ``max_new_tokens`` or the slot full; its pages freed) /
-    stalled (no pages this window; still live): ``[S]`` bool; version, steps: () int32."""
+    stalled (no pages this window; still live): ``[S]`` bool; version, steps: () int32;
+    top_ids / top_logprobs: ``[S, W, N]`` (``rollout.decode.WindowOut``)."""
 
     tokens: Array
     logprobs: Array
@@ -110,6 +115,8 @@ class WindowResult(NamedTuple):
     stalled: Array
     version: Array
     steps: Array
+    top_ids: Array | None = None
+    top_logprobs: Array | None = None
 
 
 class DecodeEngine:
@@ -229,7 +236,12 @@ class DecodeEngine:
         zeros = lambda: jnp.zeros(s, jnp.int32)  # noqa: E731  (distinct buffers: donated)
         return DecodeState(cache=cache, next_token=zeros(), position=zeros(), generated=zeros(),
                            seq_id=jnp.zeros(s, jnp.uint32), live=jnp.zeros(s, bool),
-                           rng=jax.random.PRNGKey(self._seed))
+                           rng=jax.random.PRNGKey(self._seed),
+                           temperature=jnp.full(s, self._default_temperature(), jnp.float32),
+                           top_p=jnp.full(s, self.sampling.top_p, jnp.float32))
+
+    def _default_temperature(self) -> float:
+        return 0.0 if self.sampling.greedy else self.sampling.temperature
 
     def _model(self, params: EngineParams) -> nnx.Module:
         return nnx.merge(self._graphdef, params.state)
@@ -286,8 +298,8 @@ class DecodeEngine:
         true_length = max(1, min(int(true_length), tokens.shape[0]))
         return self._prefill_fn(params, tokens, jnp.int32(true_length))
 
-    def _insert_impl(self, ds: DecodeState, prefix: Prefix, slot: Array, seq_id: Array
-                     ) -> tuple[DecodeState, Array]:
+    def _insert_impl(self, ds: DecodeState, prefix: Prefix, slot: Array, seq_id: Array,
+                     temperature: Array, top_p: Array) -> tuple[DecodeState, Array]:
         mask = jnp.arange(self._slots) == slot
         cache = kv_slots.free(ds.cache, mask)  # a slot may be reused without a free
         cache, ok = kv_slots.reserve(cache, mask, jnp.where(mask, prefix.length, 0))
@@ -297,13 +309,16 @@ class DecodeEngine:
         return ds.replace(cache=cache, next_token=at(ds.next_token, prefix.next_token),
                           position=at(ds.position, jnp.where(ok, prefix.length, 0)),
                           live=at(ds.live, ok), generated=at(ds.generated, 0),
-                          seq_id=at(ds.seq_id, seq_id)), ok
+                          seq_id=at(ds.seq_id, seq_id),
+                          temperature=at(ds.temperature, temperature),
+                          top_p=at(ds.top_p, top_p)), ok
 
     def _new_seq(self, seq_id: int | None) -> Array:
         return jnp.uint32(self.new_seq_ids(1)[0] if seq_id is None else seq_id)
 
     def try_insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
-                   seq_id: int | None = None) -> tuple[DecodeState, bool]:
+                   seq_id: int | None = None, temperature: float | None = None,
+                   top_p: float | None = None) -> tuple[DecodeState, bool]:
         """``insert`` that reports failure instead of raising. On failure the slot is empty
         (its previous pages freed) and no live page of another slot was touched.
         ``decode_state`` is donated: use the returned one. One pool only (a split pool is
@@ -311,15 +326,21 @@ class DecodeEngine:
         if kv_slots.is_split(decode_state.cache):
             raise ValueError("insert needs one paged pool; a pool split over the mesh is "
                              "filled with prefill_slots")
-        ds, ok = self._insert_fn(decode_state, prefix, jnp.int32(slot), self._new_seq(seq_id))
+        t = self._default_temperature() if temperature is None else temperature
+        p = self.sampling.top_p if top_p is None else top_p
+        ds, ok = self._insert_fn(decode_state, prefix, jnp.int32(slot), self._new_seq(seq_id),
+                                 jnp.float32(t), jnp.float32(p))
         return ds, bool(ok)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
-               seq_id: int | None = None) -> DecodeState:
-        """Places a prefix into ``slot`` (freeing what it held). Raises ``PoolExhaustedError``
-        (holding the state to keep using) when the pages run out. ``decode_state`` is
-        donated."""
-        ds, ok = self.try_insert(prefix, decode_state, slot, seq_id=seq_id)
+               seq_id: int | None = None, temperature: float | None = None,
+               top_p: float | None = None) -> DecodeState:
+        """Places a prefix into ``slot`` (freeing what it held), to sample at ``temperature``
+        (0 = greedy) / ``top_p`` when the engine samples per row (default: the engine's).
+        Raises ``PoolExhaustedError`` (holding the state to keep using) when the pages run
+        out. ``decode_state`` is donated."""
+        ds, ok = self.try_insert(prefix, decode_state, slot, seq_id=seq_id,
+                                 temperature=temperature, top_p=top_p)
         if ok:
             return ds
         need = kv_slots.pages_for(int(prefix.length), self.page_size)
@@ -359,7 +380,9 @@ class DecodeEngine:
             next_token=jnp.where(got, ds.next_token[src_of], ds.next_token),
             position=jnp.where(got, ds.position[src_of], ds.position),
             generated=jnp.where(got, 0, ds.generated),
-            seq_id=jnp.where(got, seq_ids, ds.seq_id)), ok
+            seq_id=jnp.where(got, seq_ids, ds.seq_id),
+            temperature=jnp.where(got, ds.temperature[src_of], ds.temperature),
+            top_p=jnp.where(got, ds.top_p[src_of], ds.top_p)), ok
 
     def share_prompts(self, decode_state: DecodeState, src: Array, dst: Array,
                       seq_ids: Array) -> tuple[DecodeState, Array]:
@@ -413,7 +436,8 @@ class DecodeEngine:
         n = jnp.where(want & ok, n, 0)
         out, cache = decode_window(self._model(params), cache, ds.next_token, ds.position,
                                    ds.generated, ds.seq_id, n, ds.rng, window=num_steps,
-                                   eos_ids=self.eos_ids, params=self.sampling)
+                                   eos_ids=self.eos_ids, params=self.sampling,
+                                   row_sampling=(ds.temperature, ds.top_p))
         last = jnp.take_along_axis(out.tokens, jnp.maximum(out.count - 1, 0)[:, None], 1)[:, 0]
         position, generated = ds.position + out.count, ds.generated + out.count
         finished = ds.live & (out.hit_eos | (position >= self.max_target_length)
@@ -422,7 +446,8 @@ class DecodeEngine:
                         next_token=jnp.where(out.count > 0, last, ds.next_token),
                         position=position, generated=generated)
         return ds, WindowResult(out.tokens, out.logprobs, out.count, out.hit_eos, finished,
-                                want & ~ok, params.version, out.steps)
+                                want & ~ok, params.version, out.steps, out.top_ids,
+                                out.top_logprobs)
 
     def generate_window(self, decode_state: DecodeState, params: EngineParams, num_steps: int,
                         budget: Array | None = None, first: Array | None = None
@@ -446,13 +471,17 @@ class DecodeEngine:
         data = jnp.stack([res.tokens[:, 0], run.astype(jnp.int32), ds.generated,
                           jax.lax.bitcast_convert_type(res.logprobs[:, 0], jnp.int32),
                           jnp.broadcast_to(params.version, run.shape)], axis=1)
-        return ds, data
+        # Per-row sampling with top_logprobs N: N ids, then N log-probs (float32 bits).
+        top = [res.top_ids[:, 0], jax.lax.bitcast_convert_type(res.top_logprobs[:, 0], jnp.int32)]
+        return ds, jnp.concatenate([data] + top, axis=1)
 
     def generate_step(self, params: EngineParams, decode_state: DecodeState
                       ) -> tuple[DecodeState, Array]:
         """One token for every live slot: a window of 1 through the same decode core; a slot
-        that gets no page ends. Returns ``(state, [S, 5] int32)``, columns ``STEP_COLUMNS``
-        (one array: one device-to-host copy per step). ``decode_state`` is donated."""
+        that gets no page ends. Returns ``(state, [S, 5 + 2N] int32)``, columns
+        ``STEP_COLUMNS`` then N top ids and N top log-probs (``SamplingParams.top_logprobs``
+        with ``per_row``; else N = 0): one array, one device-to-host copy per step.
+        ``decode_state`` is donated."""
         return self._step_fn(decode_state, params)
 
     def lowered(self, op: str, *args: Any) -> Any:

@@ -66,6 +66,25 @@ class TPPOResultTokens(engine_api.ResultTokens):
         """``[S, 1]`` int32 policy version that sampled each token."""
         return np.asarray(self.data[:, self.version_idx[0]:self.version_idx[1]])
 
+    def top(self) -> tuple[np.ndarray, np.ndarray]:
+        """``([S, N] int32 ids, [S, N] float32 log-probs)``: each slot's N most likely
+        tokens at this step (N = 0 unless the engine samples per row with top_logprobs)."""
+        extra = np.asarray(self.data[:, len(STEP_COLUMNS):], np.int32)
+        n = extra.shape[1] // 2
+        return extra[:, :n], extra[:, n:].view(np.float32)
+
+
+@struct.dataclass
+class ServedPrefix:
+    """A ``Prefix`` with how its request samples (``insert`` puts both into the slot):
+    temperature (0 = greedy) / top_p (None: the engine's) and seq_id (its sampling stream;
+    None: a fresh one)."""
+
+    prefix: Prefix
+    temperature: float | None = struct.field(pytree_node=False, default=None)
+    top_p: float | None = struct.field(pytree_node=False, default=None)
+    seq_id: int | None = struct.field(pytree_node=False, default=None)
+
 
 class JetStreamEngine(engine_api.Engine):
     """JetStream's ``Engine`` over ``core`` (its slots, cache, sampling and stop tokens).
@@ -140,12 +159,17 @@ class JetStreamEngine(engine_api.Engine):
             raise NotImplementedError("JetStreamEngine does not extend existing prefixes")
         return self.core.prefill(params, padded_tokens, true_length)
 
-    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, *,
+    def insert(self, prefix: Prefix | ServedPrefix, decode_state: DecodeState, slot: int, *,
                seq_id: int | None = None) -> DecodeState:
-        """Places a prefix into ``slot`` (freeing what it held); see ``strict_insert``.
-        ``decode_state`` is donated."""
+        """Places a prefix into ``slot`` (freeing what it held), a ``ServedPrefix`` with its
+        request's sampling; see ``strict_insert``. ``decode_state`` is donated."""
+        sampling: dict[str, Any] = {}
+        if isinstance(prefix, ServedPrefix):
+            sampling = dict(temperature=prefix.temperature, top_p=prefix.top_p)
+            seq_id = prefix.seq_id if seq_id is None else seq_id
+            prefix = prefix.prefix
         try:
-            return self.core.insert(prefix, decode_state, slot, seq_id=seq_id)
+            return self.core.insert(prefix, decode_state, slot, seq_id=seq_id, **sampling)
         except PoolExhaustedError as e:
             if self.strict_insert:
                 raise

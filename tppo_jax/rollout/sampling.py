@@ -139,3 +139,56 @@ def _draw(scaled: Array, keys: Array, top_p: ArrayOrScalar | None,
     )
     choice = draw(keys, jnp.where(keep, sorted_logits, -jnp.inf)).astype(jnp.int32)
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+
+def sample_per_row(
+    logits: Array,
+    keys: Array,
+    temperature: Array,
+    top_p: Array,
+    *,
+    top_k: int | None = None,
+    n_top: int = 0,
+) -> tuple[Array, Array, Array, Array]:
+    """One token per row with each row's own traced temperature and top-p (a server's
+    requests: one compiled program for every setting), and the log-probs of the distribution
+    each row actually draws from: softmax of ``logits / temperature`` over the top-k /
+    top-p survivors, renormalized.
+
+    Args:
+      logits: [B, V]; keys: [B] keys; temperature: [B] (<= 0: greedy); top_p: [B] (1: off);
+      top_k: static top-k (None: off); n_top: static number of alternatives to return.
+    Returns:
+      tokens [B] int32, logprobs [B] f32, top_ids [B, n_top] int32 and top_logprobs
+      [B, n_top] f32 (the most likely tokens of that distribution; -inf outside it).
+      A greedy row takes the argmax and reports the distribution at temperature 1, top-p off.
+
+    The draw is over the vocabulary in token order with the truncated tokens masked, so a
+    row with top-p off samples the same token whether or not another row truncates (the
+    [B, V] sort runs only when some row truncates).
+    """
+    logits = logits.astype(jnp.float32)
+    b, vocab = logits.shape
+    greedy = temperature <= 0
+    t = jnp.where(greedy, 1.0, temperature).astype(jnp.float32)
+    p = jnp.where(greedy, 1.0, top_p).astype(jnp.float32)
+    scaled = logits / t[:, None]
+
+    def truncate(x: Array) -> Array:
+        order, _, keep = truncation_mask(x, p, 0 if top_k is None else top_k,
+                                         candidates=top_k)
+        kept = jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], order].set(keep)
+        return jnp.where(kept, x, -jnp.inf)
+
+    if top_k is not None:
+        masked = truncate(scaled)
+    else:
+        masked = jax.lax.cond(jnp.any(p < 1.0), truncate, lambda x: x, scaled)
+    norm = jax.nn.logsumexp(masked, axis=-1)
+    drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+    logprobs = jnp.take_along_axis(masked, tokens[:, None], axis=-1)[:, 0] - norm
+    if n_top == 0:
+        return tokens, logprobs, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
+    top_vals, top_ids = jax.lax.top_k(masked, n_top)
+    return tokens, logprobs, top_ids.astype(jnp.int32), top_vals - norm[:, None]

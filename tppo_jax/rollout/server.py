@@ -28,7 +28,7 @@ import socket
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent import futures
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -43,7 +43,7 @@ from jetstream.engine import engine_api, token_utils
 
 from tppo_jax.compat.jetstream import LOOPBACK_HOST, quiet_logging
 from tppo_jax.rollout.engine import EngineParams
-from tppo_jax.rollout.jetstream_engine import JetStreamEngine
+from tppo_jax.rollout.jetstream_engine import JetStreamEngine, ServedPrefix, TPPOResultTokens
 from tppo_jax.rollout.tokenizer_adapter import encode_request_text
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,43 @@ def ensure_port_free(host: str, port: int) -> None:
                     raise OSError(f"port {port} on {host} is already in use (another "
                                   f"`tppo serve`?); pick another --port, or 0 for any free "
                                   f"port") from None
+
+
+class Generated(NamedTuple):
+    """One decoded token of ``EngineServer.decode_steps``: its id, its log-prob under the
+    distribution it was drawn from, and ``top``: ``(id, log-prob)`` of the most likely tokens
+    of that distribution (as many as the engine's ``SamplingParams.top_logprobs``)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class ServedRequest(orchestrator.ActiveRequest):
+    """A request with its own sampling: its prefill result reaches ``insert`` as a
+    ``ServedPrefix`` (the driver's prefill thread assigns ``prefill_result``; the property
+    attaches ``temperature`` / ``top_p`` / ``seq_id`` there), and its stream carries
+    ``Generated`` tokens (log-probs included) instead of JetStream's samples."""
+
+    sampling: dict[str, Any]
+
+    @property
+    def prefill_result(self) -> Any:
+        return self.__dict__.get("_prefill_result")
+
+    @prefill_result.setter
+    def prefill_result(self, value: Any) -> None:
+        if value is not None and not isinstance(value, ServedPrefix):
+            value = ServedPrefix(value, **getattr(self, "sampling", {}))
+        self.__dict__["_prefill_result"] = value
+
+
+def _generated(samples: list[Any], result: TPPOResultTokens, slot: int) -> list[Generated]:
+    """The tokens of ``samples`` (one slot's, this step) with their log-probs."""
+    lp = float(result.logprobs()[slot, 0])
+    ids, lps = result.top()
+    top = tuple(zip(ids[slot].tolist(), lps[slot].tolist(), strict=True))
+    return [Generated(int(t), lp, top) for s in samples for t in s.token_ids]
 
 
 def _abandoned(request: Any) -> bool:
@@ -191,6 +228,8 @@ class PromptAsSentDriver(orchestrator.Driver):
                         tokenizer=tokenizer, slot=slot, slot_max_length=request.max_tokens,
                         result_tokens=result, complete=request.complete,
                         is_client_side_tokenization=request.is_client_side_tokenization)
+                    if isinstance(request, ServedRequest):
+                        samples = _generated(samples, result, slot)
                     request.enqueue_samples(samples)
                     if not request.complete.all():
                         continue
@@ -259,6 +298,36 @@ class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
             yield response
 
 
+class _TokenStream:
+    """The tokens of one submitted request (``EngineServer.decode_steps``); ``close()``
+    (also before the first token) cancels the request, freeing its slot."""
+
+    def __init__(self, channel: async_multifuture.AsyncMultifuture, run: Callable) -> None:
+        self._channel, self._run = channel, run
+        self._buffer: list[Generated] = []
+
+    def __iter__(self) -> _TokenStream:
+        return self
+
+    def __next__(self) -> Generated:
+        while not self._buffer:
+            got = self._run(self._step())
+            if got is None:
+                raise StopIteration
+            self._buffer = list(got)
+        return self._buffer.pop(0)
+
+    async def _step(self) -> list | None:
+        try:
+            return await self._channel.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    def close(self) -> None:
+        if not self._channel.done():
+            self._channel.cancel()
+
+
 class EngineServer:
     """``Driver`` + gRPC server around one engine; ``start()`` then ``stop()``.
 
@@ -311,12 +380,21 @@ class EngineServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def decode_ids(self, ids: list[int], max_tokens: int) -> Iterator[int]:
-        """Streams the token ids the driver decodes after prompt ``ids``, exactly as a gRPC
-        token-id request is decoded (same driver, same slots, no BOS added; stops at an EOS
-        id, which is not yielded, or after ``max_tokens``). The HTTP server's one door to the
-        engine. Raises ``ValueError`` for what gRPC answers ``INVALID_ARGUMENT``, and
-        ``RuntimeError`` when the prefill queue is full. Closing the iterator early (a client
-        that went away) frees the request's slot at the next decode step."""
+        """``decode_steps`` at the engine's sampling, token ids only."""
+        return (g.token for g in self.decode_steps(ids, max_tokens))
+
+    def decode_steps(self, ids: list[int], max_tokens: int, *,
+                     temperature: float | None = None, top_p: float | None = None,
+                     seq_id: int | None = None) -> Iterator[Generated]:
+        """Submits prompt ``ids`` and returns the stream of tokens the driver decodes after
+        it, exactly as a gRPC token-id request is decoded (same driver, same slots, no BOS
+        added; stops at an EOS id, which is not yielded, or after ``max_tokens``), sampled
+        at ``temperature`` (0 = greedy) / ``top_p`` (None: the engine's; an engine that does
+        not sample per row ignores them) from stream ``seq_id`` (None: a fresh one). The
+        HTTP server's one door to the engine. Raises ``ValueError`` for what gRPC answers
+        ``INVALID_ARGUMENT``, and ``RuntimeError`` when the prefill queue is full. Closing
+        the iterator early (a client that went away) frees the request's slot at the next
+        decode step."""
         req = jetstream_pb2.DecodeRequest(max_tokens=max_tokens, token_content=(
             jetstream_pb2.DecodeRequest.TokenContent(token_ids=ids)))
         err = validate_request(req, self.engine.core.config.vocab_size,
@@ -326,28 +404,17 @@ class EngineServer:
 
         async def submit() -> async_multifuture.AsyncMultifuture:
             channel = async_multifuture.AsyncMultifuture()  # bound to the server's loop
-            self.driver.place_request_on_prefill_queue(orchestrator.ActiveRequest(
-                max_tokens=max_tokens, prefill_content=list(ids),
-                is_client_side_tokenization=True, return_channel=channel))
+            request = ServedRequest(max_tokens=max_tokens, prefill_content=list(ids),
+                                    is_client_side_tokenization=True, return_channel=channel)
+            request.sampling = dict(temperature=temperature, top_p=top_p, seq_id=seq_id)
+            self.driver.place_request_on_prefill_queue(request)
             return channel
-
-        async def step(channel: async_multifuture.AsyncMultifuture) -> list | None:
-            try:
-                return await channel.__anext__()
-            except StopAsyncIteration:
-                return None
 
         try:
             channel = self._run(submit())
         except queue.Full:
             raise RuntimeError("the prefill queue is full; retry the request") from None
-        try:
-            while (samples := self._run(step(channel))) is not None:
-                for sample in samples:
-                    yield from (int(t) for t in sample.token_ids)
-        finally:
-            if not channel.done():
-                channel.cancel()
+        return _TokenStream(channel, self._run)
 
     def start(self) -> EngineServer:
         self._run(self._server.start())
