@@ -6,6 +6,7 @@ import json
 import socket
 import struct
 import time
+from http.client import HTTPConnection
 
 import grpc
 import jax
@@ -253,3 +254,81 @@ def test_a_client_that_leaves_is_one_log_line(served, capfd, caplog):
         sock.close()
     _wait_for(lambda: http.active_connections == 0)
     assert "Traceback" not in capfd.readouterr().err
+
+
+# ----------------------------------------------------------------- what clients send
+def _complete(http, **body):
+    return request(http.host, http.port, "/v1/completions",
+                   {"prompt": "w17 w33 w5 w200", "max_tokens": N} | body)
+
+
+def test_sampling_is_per_request_and_seeded(served):
+    _, _, grpc_server, http = served
+    ids = [17, 33, 5, 200]  # the word-level ids of the prompt
+    greedy = list(grpc_server.decode_ids(ids, N))  # the server's default: temperature 0
+    got = _complete(http, temperature=0, return_token_ids=True)
+    assert got["choices"][0]["token_ids"] == greedy and got["prompt_token_ids"] == ids
+    hot = dict(temperature=3.0, seed=7, n=3, return_token_ids=True)
+    a, b = _complete(http, **hot), _complete(http, **hot)
+    runs = [[c["token_ids"] for c in r["choices"]] for r in (a, b)]
+    assert runs[0] == runs[1]  # a seed draws the same tokens on every call
+    assert len({tuple(t) for t in runs[0]}) == 3  # and each choice its own stream
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+    assert greedy not in runs[0]
+    other = _complete(http, **hot | {"seed": 8})
+    assert [c["token_ids"] for c in other["choices"]] != runs[0]
+
+
+def test_logprobs_are_of_the_distribution_sampled(served):
+    _, _, _, http = served
+    body = {"model": "fixture", "messages": MESSAGES, "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 5}
+    cold = request(http.host, http.port, "/v1/chat/completions", body | {"temperature": 0})
+    for e in cold["choices"][0]["logprobs"]["content"]:  # greedy: the top token, temperature 1
+        assert e["token"] == e["top_logprobs"][0]["token"]
+        assert e["logprob"] == e["top_logprobs"][0]["logprob"] <= 0
+    # Temperature T scales the log-prob gaps by 1/T (same seed: same first token).
+    first = {}
+    for t in (1.0, 0.5):
+        r = request(http.host, http.port, "/v1/chat/completions",
+                    body | {"temperature": t, "seed": 1, "max_tokens": 1})
+        first[t] = {x["token"]: x["logprob"] for x in
+                    r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]}
+    a, b = list(first[1.0])[:2]
+    gap = first[1.0][a] - first[1.0][b]
+    assert first[0.5][a] - first[0.5][b] == pytest.approx(2 * gap, rel=1e-4, abs=1e-4)
+    # top_p: alternatives outside the nucleus are left out; the rest renormalized.
+    nucleus = request(http.host, http.port, "/v1/chat/completions", body | {
+        "temperature": 1.0, "top_p": 0.1, "seed": 1, "max_tokens": 1, "top_logprobs": 20})
+    tops = nucleus["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert len(tops) < 20 and sum(np.exp(x["logprob"]) for x in tops) == pytest.approx(1, 1e-4)
+    raw = _complete(http, logprobs=2, max_tokens=2)["choices"][0]["logprobs"]
+    assert len(raw["tokens"]) == len(raw["token_logprobs"]) == 2
+    assert raw["text_offset"][0] == 0 and all(len(d) == 2 for d in raw["top_logprobs"])
+
+
+def test_stop_strings_and_streamed_choices(served):
+    tok, _, grpc_server, http = served
+    greedy = list(grpc_server.decode_ids([17, 33, 5, 200], N))
+    words = [tok.decode([t]) for t in greedy]
+    whole = _complete(http, stop=[words[2]])["choices"][0]
+    full = tok.decode(greedy)
+    assert whole["finish_reason"] == "stop" and whole["text"] == full[:full.find(words[2])]
+    assert whole["text"].split() == words[:2]
+    conn_body = {"prompt": "w17 w33 w5 w200", "max_tokens": N, "n": 2, "stream": True,
+                 "temperature": 2.0, "seed": 3, "return_token_ids": True,
+                 "stream_options": {"include_usage": True}}
+    conn = HTTPConnection(http.host, http.port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(conn_body))
+    events = [json.loads(line[5:]) for line in conn.getresponse().read().decode().splitlines()
+              if line.startswith("data: {")]
+    conn.close()
+    per = {0: [], 1: []}
+    for e in events[:-1]:
+        for c in e["choices"]:
+            per[c["index"]] += c["token_ids"]
+    want = _complete(http, **{k: v for k, v in conn_body.items()
+                              if k not in ("stream", "stream_options")})
+    assert [per[0], per[1]] == [c["token_ids"] for c in want["choices"]]
+    assert events[-1]["usage"]["completion_tokens"] == len(per[0]) + len(per[1])
+    assert request(http.host, http.port, "/v1/models")["data"][0]["id"] == "fixture"

@@ -1,8 +1,12 @@
 """``tppo serve`` / ``tppo generate``: the decode engine that trains, behind JetStream's gRPC
 API (``rollout.jetstream_engine`` adapts it; JetStream is imported only inside these commands).
 
-``tppo serve`` with no arguments serves, in order of preference: the default run's latest
-policy checkpoint (``runs/default``), the latest warm-started policy
+``tppo serve RUN`` serves a run directory's newest good policy checkpoint as the run was
+configured: its ``config.yaml`` sets the prompt and response lengths, the dtype, the sampling
+and the prompt format of chat requests (``--config`` replaces it; ``key=value`` overrides
+either). RUN may also be an HF folder or a Hub id (then the config is ``--config`` or the
+embedded default). With no RUN it serves, in order of preference: the default run's latest
+policy checkpoint (``runs/default``, with its config), the latest warm-started policy
 (``runs/warmstart-*/policy`` + ``tokenizer.model``), or a freshly initialised tiny model
 (random weights: gibberish output) with a tokenizer trained on a few
 synthetic lines. ``tppo generate --port P "text"`` streams one completion from a server.
@@ -26,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from tppo_jax.cli.args import (
-    add_config_args,
     int_at_least,
     non_negative_float,
     positive_float,
@@ -95,19 +98,41 @@ def latest_warmstart(root: Path = Path("runs")) -> Path | None:
     return max(done, key=lambda d: (d / "DONE").stat().st_mtime, default=None)
 
 
+def served_run(checkpoint: str | None) -> Path | None:
+    """The run directory ``tppo serve`` serves: the one named, or with nothing named the
+    default run (``runs/default``) once it has a checkpoint; None for an HF folder."""
+    from tppo_jax.cli.policy import is_run_dir
+
+    if checkpoint is not None:
+        return Path(checkpoint) if is_run_dir(Path(checkpoint)) else None
+    default_run = Path("runs/default")
+    if is_run_dir(default_run) and any(
+            p.name.isdigit() for p in (default_run / "checkpoints").glob("*")):
+        return default_run
+    return None
+
+
+def serving_config(args: argparse.Namespace) -> Any:
+    """The config a server runs with: ``--config`` if given, else the served run's
+    ``config.yaml`` (as ``tppo eval RUN`` reads it), else the embedded default; the
+    ``key=value`` overrides on top."""
+    from tppo_jax.config import load_config
+
+    run = served_run(args.checkpoint)
+    if args.config is None and run is not None:
+        return load_config(run / "config.yaml", args.overrides)
+    return load_config(args.config, args.overrides)
+
+
 def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path, *, start: bool = False
-                       ) -> tuple[Any, Any, str, str]:
-    """Returns ``(model, tokenizer, tokenizer_path, description)``; ``start``: a run
-    directory's starting policy instead of its checkpoint."""
-    from tppo_jax.cli.policy import is_run_dir, load_hf_folder, load_policy
+                       ) -> tuple[Any, Any, str, str, str]:
+    """Returns ``(model, tokenizer, tokenizer_path, description, model name)``; ``start``:
+    a run directory's starting policy instead of its checkpoint."""
+    from tppo_jax.cli.policy import load_hf_folder, load_policy
 
     ckpt = Path(checkpoint) if checkpoint else None
     # A run directory (ours: config.yaml + Orbax checkpoints), given or the default run's.
-    default_run = Path("runs/default")
-    run_dir = ckpt if ckpt is not None and is_run_dir(ckpt) else None
-    if ckpt is None and is_run_dir(default_run) and any(
-            p.name.isdigit() for p in (default_run / "checkpoints").glob("*")):
-        run_dir = default_run
+    run_dir = served_run(checkpoint)
     if run_dir is not None:
         from functools import partial
 
@@ -115,7 +140,8 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path, *, start
 
         got = load_policy(str(run_dir), dtype=cfg.model.dtype,
                           load_run=partial(load_run_policy, start=start))
-        return got.model, got.tokenizer, str(got.tokenizer_file), got.description
+        return (got.model, got.tokenizer, str(got.tokenizer_file), got.description,
+                run_dir.resolve().name)
     if ckpt is None and cfg.model.source == "hf" and cfg.model.path:
         from tppo_jax.models.hub import resolve_model
 
@@ -124,7 +150,7 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path, *, start
         ckpt = ws / "policy"
     if ckpt is not None:
         model, tok, tok_file = load_hf_folder(ckpt, cfg.model.dtype)
-        return model, tok, str(tok_file), str(ckpt)
+        return model, tok, str(tok_file), str(ckpt), ckpt.resolve().name
 
     from tppo_jax.data.synthetic import SyntheticMathTask
     from tppo_jax.models.tokenizer import train_sentencepiece
@@ -139,14 +165,25 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path, *, start
     texts = SyntheticMathTask(seed=0).teacher_corpus(300, 0.0, 0.0)
     tok = train_sentencepiece(texts, scratch / "tokenizer", vocab_size=128)
     model = create_model(tiny_model_config(cfg, tok.vocab_size), seed=0)
-    return model, tok, str(scratch / "tokenizer.model"), "fresh tiny model (random weights)"
+    return (model, tok, str(scratch / "tokenizer.model"), "fresh tiny model (random weights)",
+            "tiny-random")
 
 
 # ---------------------------------------------------------------------------------- serve
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    add_config_args(p)
+    p.description = ("tppo serve [RUN] [key=value ...]: serve RUN (a run directory, served "
+                     "as its config.yaml configures it; an HF folder; or a Hub id "
+                     "owner/name[@revision]) over OpenAI-compatible HTTP and JetStream gRPC.")
+    p.add_argument("overrides", nargs="*", metavar="[RUN] key=value",
+                   help="RUN (as --checkpoint), then config overrides, e.g. "
+                        "rollout.temperature=0")
+    p.add_argument("--config", default=None,
+                   help="YAML file or shipped config name, instead of the served run's "
+                        "config.yaml (default: the run's, else the embedded default)")
     p.add_argument("--checkpoint", default=None,
-                   help="HF-format policy directory (tokenizer beside it or in its parent)")
+                   help="what to serve, as the positional RUN: a run directory (its newest "
+                        "good checkpoint, with its config), an HF folder (tokenizer beside it "
+                        "or in its parent) or a Hub id")
     p.add_argument("--start", action="store_true",
                    help="with a run directory: its starting policy instead of a checkpoint "
                    "(a run without a usable checkpoint is refused without it)")
@@ -166,24 +203,26 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tppo_jax.compat.jetstream import LOOPBACK_HOST
-    from tppo_jax.config import load_config
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.rollout.engine import DecodeEngine
     from tppo_jax.rollout.jetstream_engine import JetStreamEngine
     from tppo_jax.rollout.server import EngineServer
+    from tppo_jax.serve.chat import MAX_TOP_LOGPROBS
 
     host = args.host or LOOPBACK_HOST
+    if (err := _take_run_arg(args)) is not None:
+        return _refuse(err)
     if (err := _serve_arg_error(args, host)) is not None:
         return _refuse(err)
     # JetStream logs every decode step at INFO on the root logger; keep that for --verbose.
     log_to_stderr(logging.DEBUG if args.verbose else logging.WARNING)
-    cfg = load_config(args.config, args.overrides)
+    cfg = serving_config(args)
     r = cfg.rollout
     scratch = Path(tempfile.mkdtemp(prefix="tppo-serve-"))
     try:
         try:
-            model, tok, tok_path, what = load_serving_model(args.checkpoint, cfg, scratch,
-                                                       start=args.start)
+            model, tok, tok_path, what, name = load_serving_model(
+                args.checkpoint, cfg, scratch, start=args.start)
         except (OSError, ValueError) as e:  # no tokenizer / config.json, unreadable files
             return _refuse(f"cannot load the model to serve: {e}")
         prefill = _prefill_bucket(r.max_prompt_len)
@@ -192,7 +231,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             page_size=args.page_size or r.page_size,
             max_target_length=max(prefill, r.max_prompt_len) + r.max_response_len,
             num_pages=r.num_pages, kv_cache=r.kv_cache,
-            sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k))
+            # Each request's temperature / top_p are traced values: one program for all.
+            sampling=SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                    per_row=True, top_logprobs=MAX_TOP_LOGPROBS))
         engine = JetStreamEngine(core, tok, max_prefill_length=prefill, tokenizer_path=tok_path,
                                  strict_insert=False)
         try:
@@ -200,8 +241,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except OSError as e:  # the port was taken while the model loaded
             return _refuse(str(e))
         try:
-            http = None if args.no_http else _start_http(server, tok, core, cfg, host,
-                                                         args.http_port, what)
+            http = None if args.no_http else _start_http(server, tok, cfg, host,
+                                                         args.http_port, name)
         except OSError as e:
             server.stop()
             return _refuse(f"HTTP port: {e}")
@@ -228,17 +269,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _start_http(server: Any, tok: Any, core: Any, cfg: Any, host: str, port: int,
-                what: str) -> Any:
-    """The OpenAI-compatible HTTP server over ``server``'s driver (``decode_ids``)."""
+def _start_http(server: Any, tok: Any, cfg: Any, host: str, port: int, name: str) -> Any:
+    """The OpenAI-compatible HTTP server over ``server``'s driver (``decode_steps``), chat
+    requests rendered in the run's prompt format (``serve.chat.chat_renderer``)."""
     from tppo_jax.rollout.tokenizer_adapter import encode_request_text
+    from tppo_jax.serve.chat import Sampling, chat_renderer
     from tppo_jax.serve.openai import OpenAIServer
 
     r = cfg.rollout
-    return OpenAIServer(server.decode_ids, tok, lambda text: encode_request_text(tok, text),
-                        sampling=core.sampling, model_name=Path(what).name or "tppo",
-                        max_tokens=r.max_response_len, max_tokens_limit=r.max_response_len,
-                        host=host, port=port).start()
+    return OpenAIServer(server.decode_steps, tok, lambda text: encode_request_text(tok, text),
+                        sampling=Sampling(temperature=r.temperature, top_p=r.top_p),
+                        model_name=name, max_tokens=r.max_response_len,
+                        max_tokens_limit=r.max_response_len,
+                        max_prompt_tokens=server.engine.max_prefill_length,
+                        chat=chat_renderer(cfg, tok), host=host, port=port).start()
+
+
+def _take_run_arg(args: argparse.Namespace) -> str | None:
+    """Moves the positional RUN (the one argument without ``=``) to ``args.checkpoint``;
+    what is wrong with it otherwise."""
+    refs = [o for o in args.overrides if "=" not in o]
+    args.overrides = [o for o in args.overrides if "=" in o]
+    if len(refs) > 1:
+        return f"one RUN to serve, got {len(refs)}: {' '.join(refs[:3])}"
+    if refs and args.checkpoint is not None:
+        return f"RUN {refs[0]} and --checkpoint {args.checkpoint}: give one"
+    if refs:
+        args.checkpoint = refs[0]
+    return None
 
 
 def _serve_arg_error(args: argparse.Namespace, host: str) -> str | None:
@@ -299,8 +357,11 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc", action="store_true",
                    help="use the JetStream gRPC door (raw text; no sampling flags)")
     p.add_argument("--temperature", type=non_negative_float, default=None,
-                   help="must equal the server's (it is fixed when the server starts)")
-    p.add_argument("--top-p", type=top_p, default=None, help="as --temperature")
+                   help="this request's (0 = greedy; default: the server's)")
+    p.add_argument("--top-p", type=top_p, default=None,
+                   help="this request's nucleus (default: the server's)")
+    p.add_argument("--seed", type=int_at_least(0), default=None,
+                   help="sample reproducibly (the same seed, the same text)")
     p.add_argument("--token-ids", type=_token_ids, default=None,
                    help="comma-separated prompt token ids instead of text (gRPC; prints ids)")
     p.add_argument("--timeout", type=positive_float, default=120.0, help="seconds")
@@ -308,8 +369,8 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.grpc or args.token_ids is not None:
-        if args.temperature is not None or args.top_p is not None or args.system is not None:
-            print("tppo generate: --temperature, --top-p and --system need the HTTP door "
+        if any(x is not None for x in (args.temperature, args.top_p, args.seed, args.system)):
+            print("tppo generate: --temperature, --top-p, --seed and --system need the HTTP door "
                   "(leave out --grpc / --token-ids)", file=sys.stderr)
             return 2
         return _generate_grpc(args)
@@ -323,6 +384,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         body["temperature"] = args.temperature
     if args.top_p is not None:
         body["top_p"] = args.top_p
+    if args.seed is not None:
+        body["seed"] = args.seed
     if args.raw:
         path = "/v1/completions"
         body["prompt"] = args.prompt if args.system is None else \

@@ -5,9 +5,10 @@ Sampling is per request: ``temperature`` (0 = greedy), ``top_p`` and ``seed`` tr
 the request into its decode slot as traced values (``rollout.decode``: one decode program
 for every setting, no compile per request); a request that leaves them out gets the
 server's (``rollout.temperature`` / ``rollout.top_p``). ``top_k`` stays the server's.
-Chat messages go through the model's chat template (``data.prompts.chat_text``), with the
-assistant generation prompt; text and ids follow the served-prompt rule of
-``rollout.tokenizer_adapter.encode_request_text`` (BOS only where the tokenizer adds one).
+Chat messages are rendered as the served run built its prompts (``chat_renderer``: the
+model's chat template with the assistant generation prompt, where the run used it); text and
+ids follow the served-prompt rule of ``rollout.tokenizer_adapter.encode_request_text`` (BOS
+only where the tokenizer adds one).
 
 A prompt is measured before it is tokenized: text over ``MAX_CHARS_PER_TOKEN`` characters a
 token of the server's prompt limit is refused unread, so a huge body costs no tokenizer
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tppo_jax.data.prompts import chat_text
+from tppo_jax.data.prompts import chat_text, prompt_builder, render_chat, short_prompt
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # A token of any tokenizer served here spans at most this many characters of its text (the
@@ -201,11 +202,34 @@ def _prompt_ids(body: dict, encode: Callable[[str], list[int]], limit: int) -> l
     raise RequestError("prompt must be one string or one non-empty list of token ids")
 
 
-def parse_request(body: Any, *, chat: bool, tok: Any, encode: Callable[[str], list[int]],
+def chat_renderer(cfg: Any, tok: Any) -> Callable[[list[dict[str, str]]], str]:
+    """Chat messages -> prompt text, as the run ``cfg`` built its prompts
+    (``data.prompts.prompt_builder``): the tokenizer's chat template where the run used it
+    (``data.chat_template``), else the plain fallback; the tiny model's ``Q: ...\nA: ``
+    format, the user turns as the question, for a tiny run whose tokenizer has no template.
+    The run's ``data.system_prompt`` goes first when the request has no system turn."""
+    b = prompt_builder(cfg, tok)
+
+    def render(msgs: list[dict[str, str]]) -> str:
+        if b.short and not getattr(tok, "chat_template", None):
+            return short_prompt("\n\n".join(m["content"] for m in msgs if m["role"] == "user"))
+        if b.system_prompt and not any(m["role"] == "system" for m in msgs):
+            msgs = [{"role": "system", "content": b.system_prompt}, *msgs]
+        if b.chat_template is not None:
+            return render_chat(b.chat_template, msgs, bos_token=b.bos_token,
+                               eos_token=b.eos_token)
+        return chat_text(msgs, None)
+
+    return render
+
+
+def parse_request(body: Any, *, chat: bool, render: Callable[[list[dict[str, str]]], str],
+                  encode: Callable[[str], list[int]],
                   default_sampling: Sampling, default_max_tokens: int, max_tokens_limit: int,
                   max_prompt_tokens: int) -> GenRequest:
     """A ``/v1/chat/completions`` (``chat``) or ``/v1/completions`` body -> ``GenRequest``;
-    ``RequestError`` says what is wrong. ``encode``: the served text encoding;
+    ``RequestError`` says what is wrong. ``render``: chat messages -> prompt text (e.g.
+    ``chat_renderer``); ``encode``: the served text encoding;
     ``default_sampling``: the server's (temperature, top_p) for what a request leaves out."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -224,7 +248,7 @@ def parse_request(body: Any, *, chat: bool, tok: Any, encode: Callable[[str], li
         top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0)
         if top and not logprobs:
             raise RequestError("top_logprobs needs logprobs: true")
-        text = chat_text(_messages(body, max_prompt_tokens * MAX_CHARS_PER_TOKEN), tok)
+        text = render(_messages(body, max_prompt_tokens * MAX_CHARS_PER_TOKEN))
         _check_chars(len(text), max_prompt_tokens * MAX_CHARS_PER_TOKEN)
         ids = encode(text)
     else:

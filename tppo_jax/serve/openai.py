@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tppo_jax.data.prompts import chat_text
 from tppo_jax.serve.answers import Choice, TextStream, logprobs_block
 from tppo_jax.serve.chat import (
     MAX_CHARS_PER_TOKEN,
@@ -132,16 +133,19 @@ class OpenAIServer:
       model_name: the id ``/v1/models`` reports; max_tokens: the default budget;
       max_tokens_limit: the most a request may ask; max_prompt_tokens: the longest prompt
       (the engine's prefill length); host / port: 0 = any free port; max_connections,
-      idle_timeout: see the module docstring.
+      idle_timeout: see the module docstring; chat: messages -> prompt text (default: the
+      tokenizer's chat template, ``data.prompts.chat_text``; ``tppo serve``: the run's
+      format, ``serve.chat.chat_renderer``).
     """
 
     def __init__(self, decode: Decode, tokenizer: Any, encode: Callable[[str], list[int]], *,
                  sampling: Sampling, max_prompt_tokens: int, model_name: str = "tppo",
                  max_tokens: int = 256, max_tokens_limit: int = 4096,
                  host: str = "127.0.0.1", port: int = 0,
-                 max_connections: int = MAX_CONNECTIONS,
-                 idle_timeout: float = IDLE_TIMEOUT) -> None:
+                 max_connections: int = MAX_CONNECTIONS, idle_timeout: float = IDLE_TIMEOUT,
+                 chat: Callable[[list[dict[str, str]]], str] | None = None) -> None:
         self.decode, self.tokenizer, self.encode = decode, tokenizer, encode
+        self.render = chat or (lambda msgs: chat_text(msgs, tokenizer))
         self.sampling, self.model_name = sampling, model_name
         self.max_tokens, self.max_tokens_limit = min(max_tokens, max_tokens_limit), \
             max_tokens_limit
@@ -177,7 +181,7 @@ class OpenAIServer:
         self.stop()
 
     def parse(self, body: Any, chat: bool) -> GenRequest:
-        return parse_request(body, chat=chat, tok=self.tokenizer, encode=self.encode,
+        return parse_request(body, chat=chat, render=self.render, encode=self.encode,
                              default_sampling=self.sampling, max_tokens_limit=self.max_tokens_limit,
                              default_max_tokens=self.max_tokens,
                              max_prompt_tokens=self.max_prompt_tokens)
