@@ -47,8 +47,9 @@ def _columns(name: str) -> tuple[int, int]:
 
 @struct.dataclass
 class TPPOResultTokens(engine_api.ResultTokens):
-    """JetStream ``ResultTokens`` (``data [S, 5]`` int32: token, valid, length, log-prob bits,
-    policy version) with two extra column ranges; the orchestrator reads only the first three."""
+    """JetStream ``ResultTokens`` (``data [S, 5 + 2N]`` int32: token, valid, length, log-prob
+    bits, policy version, then N top ids and N top log-prob bits when the engine samples per
+    row) with extra column ranges; the orchestrator reads only the first three."""
 
     logprob_idx: tuple[int, int] = struct.field(pytree_node=False,
                                                 default=_columns("logprob_bits"))

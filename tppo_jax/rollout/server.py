@@ -380,8 +380,18 @@ class EngineServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def decode_ids(self, ids: list[int], max_tokens: int) -> Iterator[int]:
-        """``decode_steps`` at the engine's sampling, token ids only."""
-        return (g.token for g in self.decode_steps(ids, max_tokens))
+        """``decode_steps`` at the engine's sampling, token ids only (closing the iterator
+        frees the slot)."""
+        stream = self.decode_steps(ids, max_tokens)
+
+        def tokens() -> Iterator[int]:
+            try:
+                for g in stream:
+                    yield g.token
+            finally:
+                stream.close()
+
+        return tokens()
 
     def decode_steps(self, ids: list[int], max_tokens: int, *,
                      temperature: float | None = None, top_p: float | None = None,
