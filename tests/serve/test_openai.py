@@ -332,3 +332,14 @@ def test_stop_strings_and_streamed_choices(served):
     assert [per[0], per[1]] == [c["token_ids"] for c in want["choices"]]
     assert events[-1]["usage"]["completion_tokens"] == len(per[0]) + len(per[1])
     assert request(http.host, http.port, "/v1/models")["data"][0]["id"] == "fixture"
+
+
+def test_grpc_text_over_the_character_bound_is_refused_untokenized():
+    from tppo_jax.rollout.server import validate_request
+
+    def encode(text):
+        raise AssertionError("tokenized")
+
+    req = jetstream_pb2.DecodeRequest(max_tokens=4, text_content=(
+        jetstream_pb2.DecodeRequest.TextContent(text="w5 " * 1000)))
+    assert "at most 32 tokens" in validate_request(req, 256, 32, encode)

@@ -49,6 +49,10 @@ from tppo_jax.rollout.tokenizer_adapter import encode_request_text
 log = logging.getLogger(__name__)
 
 MAX_PORT = 65535
+# A token of any tokenizer served here spans at most this many characters of its text (the
+# longest BPE / sentencepiece pieces are whitespace runs of a few dozen): a text longer than
+# this times the prompt limit is refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 64
 # No port sharing: with SO_REUSEPORT a second server binds a busy port and the kernel splits
 # connections between the two.
 GRPC_OPTIONS = (("grpc.so_reuseport", 0),)
@@ -243,7 +247,8 @@ def validate_request(request: jetstream_pb2.DecodeRequest, vocab_size: int,
                      encode: Callable[[str], list[int]] | None = None) -> str | None:
     """Why ``request`` cannot be served, or None if it is fine. A prompt longer than the
     engine's prefill length is refused rather than silently truncated (JetStream keeps its
-    last tokens): token ids as sent, text as ``encode`` (the served encoding) gives it."""
+    last tokens): token ids as sent, text as ``encode`` (the served encoding) gives it, after
+    a character bound (``MAX_CHARS_PER_TOKEN``) that refuses a huge text untokenized."""
     if request.max_tokens < 1:
         return f"max_tokens must be >= 1, got {request.max_tokens}"
     which = request.WhichOneof("content")
@@ -253,6 +258,9 @@ def validate_request(request: jetstream_pb2.DecodeRequest, vocab_size: int,
         text = request.text_content.text
         if not text.strip():
             return "empty prompt text"
+        if max_prompt_tokens is not None and len(text) > max_prompt_tokens * MAX_CHARS_PER_TOKEN:
+            return (f"prompt has {len(text)} characters, more than {max_prompt_tokens} tokens "
+                    f"can hold; this server takes at most {max_prompt_tokens} tokens")
         return None if encode is None else _too_long(len(encode(text)), max_prompt_tokens)
     ids = list(request.token_content.token_ids)
     if not ids:

@@ -10,8 +10,8 @@ model's chat template with the assistant generation prompt, where the run used i
 ids follow the served-prompt rule of ``rollout.tokenizer_adapter.encode_request_text`` (BOS
 only where the tokenizer adds one).
 
-A prompt is measured before it is tokenized: text over ``MAX_CHARS_PER_TOKEN`` characters a
-token of the server's prompt limit is refused unread, so a huge body costs no tokenizer
+A prompt is measured before it is tokenized: text over ``rollout.server.MAX_CHARS_PER_TOKEN``
+characters a token of the server's prompt limit is refused unread, so a huge body costs no tokenizer
 time or memory. Unknown parameters are refused, not ignored.
 """
 
@@ -23,12 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tppo_jax.data.prompts import chat_text, prompt_builder, render_chat, short_prompt
+from tppo_jax.rollout.server import MAX_CHARS_PER_TOKEN
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
-# A token of any tokenizer served here spans at most this many characters of its text (the
-# longest BPE / sentencepiece pieces are whitespace runs of a few dozen): a text longer than
-# this times the prompt limit is over the limit whatever it tokenizes to.
-MAX_CHARS_PER_TOKEN = 64
 MAX_N = 16  # completions per request
 MAX_STOP = 4  # stop sequences per request (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # top_logprobs per token (OpenAI's chat limit; completions: 5)

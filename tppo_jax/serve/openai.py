@@ -28,9 +28,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from tppo_jax.data.prompts import chat_text
+from tppo_jax.rollout.server import MAX_CHARS_PER_TOKEN
 from tppo_jax.serve.answers import Choice, TextStream, logprobs_block
 from tppo_jax.serve.chat import (
-    MAX_CHARS_PER_TOKEN,
     GenRequest,
     RequestError,
     Sampling,
