@@ -343,3 +343,12 @@ def test_grpc_text_over_the_character_bound_is_refused_untokenized():
     req = jetstream_pb2.DecodeRequest(max_tokens=4, text_content=(
         jetstream_pb2.DecodeRequest.TextContent(text="w5 " * 1000)))
     assert "at most 32 tokens" in validate_request(req, 256, 32, encode)
+
+
+def test_text_stream_holds_back_a_possible_stop_string():
+    pieces = {(1,): "a b", (1, 2): "a bE", (1, 2, 3): "a bEN", (1, 2, 3, 4): "a bENDx"}
+    s = TextStream(lambda ids: pieces[tuple(ids)], stop=("END",))
+    assert [s.push(1), s.push(2), s.push(3), s.push(4)] == ["a b", "", "", ""]
+    assert s.stopped and s.text == "a b" and s.rest() == ""
+    s = TextStream(lambda ids: {(1,): "xE", (1, 2): "xEy"}[tuple(ids)], stop=("END",))
+    assert [s.push(1), s.push(2), s.rest()] == ["x", "Ey", ""] and not s.stopped

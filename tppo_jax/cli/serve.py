@@ -207,7 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tppo_jax.rollout.engine import DecodeEngine
     from tppo_jax.rollout.jetstream_engine import JetStreamEngine
     from tppo_jax.rollout.server import EngineServer
-    from tppo_jax.serve.chat import MAX_TOP_LOGPROBS
+    from tppo_jax.serve.chat import MAX_TOP_LOGPROBS, chat_format
 
     host = args.host or LOOPBACK_HOST
     if (err := _take_run_arg(args)) is not None:
@@ -253,8 +253,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: stop.set())
             if http is not None:
-                _say(f"OPENAI http://{http.host}:{http.port}/v1 (chat template: "
-                     f"{'the tokenizer' + chr(39) + 's' if tok.chat_template else 'plain'})")
+                _say(f"OPENAI http://{http.host}:{http.port}/v1 (chat requests as "
+                     f"{chat_format(cfg, tok)})")
             _say(f"READY serving {what} on {server.host}:{server.port} "
                  f"({engine.max_concurrent_decodes} slots, {core.pages_total} KV pages)")
             stop.wait()

@@ -105,27 +105,37 @@ def _entry(tok: str, lp: float) -> dict[str, Any]:
     return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8", "replace"))}
 
 
-def logprobs_block(steps: list[Any], req: GenRequest, token_text: Callable[[int], str],
-                   offset: int = 0) -> dict[str, Any] | None:
+def token_piece(decode_text: Callable[[list[int]], str], before: list[int], token: int) -> str:
+    """The text ``token`` adds after ``before`` (its last few tokens as context: a
+    sentencepiece word-start piece decodes alone without its space)."""
+    ctx = before[-4:]
+    base, full = decode_text(ctx), decode_text([*ctx, token])
+    return full[len(base):] if full.startswith(base) else decode_text([token])
+
+
+def logprobs_block(steps: list[Any], req: GenRequest, decode_text: Callable[[list[int]], str],
+                   offset: int = 0, before: list[int] | None = None) -> dict[str, Any] | None:
     """The ``logprobs`` of a choice (or of a streamed chunk): chat's ``{"content": [...]}``
     or completions' ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``
-    (``offset``: characters of the choice sent before these steps). Alternatives of
-    probability 0 (outside the top-p nucleus) are left out."""
+    (``offset``: characters of the choice sent before these steps; ``before``: its token
+    ids before them). Alternatives of probability 0 (outside the top-p nucleus) are left
+    out."""
     if not req.logprobs:
         return None
-
-    def tops(g: Any) -> list[tuple[str, float]]:
-        return [(token_text(int(t)), float(lp)) for t, lp in g.top[:req.top_logprobs]
-                if math.isfinite(lp)]
-
+    prev = list(before or [])
+    rows = []  # (token text, log-prob, [(alternative text, log-prob)])
+    for g in steps:
+        alts = [(token_piece(decode_text, prev, int(t)), float(lp))
+                for t, lp in g.top[:req.top_logprobs] if math.isfinite(lp)]
+        rows.append((token_piece(decode_text, prev, int(g.token)), float(g.logprob), alts))
+        prev.append(int(g.token))
     if req.chat:
-        return {"content": [_entry(token_text(int(g.token)), float(g.logprob)) | {
-            "top_logprobs": [_entry(t, lp) for t, lp in tops(g)]} for g in steps]}
-    tokens = [token_text(int(g.token)) for g in steps]
+        return {"content": [_entry(t, lp) | {"top_logprobs": [_entry(a, x) for a, x in alts]}
+                            for t, lp, alts in rows]}
     offsets, at = [], offset
-    for t in tokens:
+    for t, _, _ in rows:
         offsets.append(at)
         at += len(t)
-    return {"tokens": tokens, "token_logprobs": [float(g.logprob) for g in steps],
-            "top_logprobs": [dict(tops(g)) for g in steps] if req.top_logprobs else None,
+    return {"tokens": [t for t, _, _ in rows], "token_logprobs": [lp for _, lp, _ in rows],
+            "top_logprobs": [dict(alts) for _, _, alts in rows] if req.top_logprobs else None,
             "text_offset": offsets}

@@ -199,6 +199,17 @@ def _prompt_ids(body: dict, encode: Callable[[str], list[int]], limit: int) -> l
     raise RequestError("prompt must be one string or one non-empty list of token ids")
 
 
+SHORT_FORMAT = "the tiny model's Q:/A: format"
+
+
+def chat_format(cfg: Any, tok: Any) -> str:
+    """How ``chat_renderer`` renders chat requests, in words (``tppo serve``'s OPENAI line)."""
+    b = prompt_builder(cfg, tok)
+    if b.short and not getattr(tok, "chat_template", None):
+        return SHORT_FORMAT
+    return "the tokenizer's chat template" if b.chat_template is not None else "plain text"
+
+
 def chat_renderer(cfg: Any, tok: Any) -> Callable[[list[dict[str, str]]], str]:
     """Chat messages -> prompt text, as the run ``cfg`` built its prompts
     (``data.prompts.prompt_builder``): the tokenizer's chat template where the run used it
@@ -206,9 +217,10 @@ def chat_renderer(cfg: Any, tok: Any) -> Callable[[list[dict[str, str]]], str]:
     format, the user turns as the question, for a tiny run whose tokenizer has no template.
     The run's ``data.system_prompt`` goes first when the request has no system turn."""
     b = prompt_builder(cfg, tok)
+    short = chat_format(cfg, tok) == SHORT_FORMAT
 
     def render(msgs: list[dict[str, str]]) -> str:
-        if b.short and not getattr(tok, "chat_template", None):
+        if short:
             return short_prompt("\n\n".join(m["content"] for m in msgs if m["role"] == "user"))
         if b.system_prompt and not any(m["role"] == "system" for m in msgs):
             msgs = [{"role": "system", "content": b.system_prompt}, *msgs]

@@ -206,9 +206,6 @@ class OpenAIServer:
     def decode_text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
-
 
 class _Handler(BaseHTTPRequestHandler):
     app: OpenAIServer
@@ -322,7 +319,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._meta(req, "chat.completion" if req.chat else "text_completion")
         items = []
         for c in choices:
-            lp = logprobs_block(c.steps, req, self.app.token_text)
+            lp = logprobs_block(c.steps, req, self.app.decode_text)
             item = ({"index": c.index, "message": {"role": "assistant", "content": c.text.text}}
                     if req.chat else {"index": c.index, "text": c.text.text})
             item |= {"finish_reason": c.finish, "logprobs": lp}
@@ -352,9 +349,10 @@ class _Handler(BaseHTTPRequestHandler):
             else:
                 choice = {"index": c.index, "text": piece or ""}
             steps = [] if role else c.new_steps()
+            before = [int(g.token) for g in c.steps[:len(c.steps) - len(steps)]]
             choice |= {"finish_reason": finish,
-                       "logprobs": logprobs_block(steps, req, self.app.token_text,
-                                                  sent[c.index]) if steps else None}
+                       "logprobs": logprobs_block(steps, req, self.app.decode_text,
+                                                  sent[c.index], before) if steps else None}
             if req.token_ids and not role:
                 choice["token_ids"] = [int(g.token) for g in steps]
             sent[c.index] += len(piece or "")
