@@ -151,10 +151,20 @@ class OpenAIServer:
             max_tokens_limit
         self.max_prompt_tokens = max_prompt_tokens
         self.max_body = BODY_OVERHEAD + 6 * MAX_CHARS_PER_TOKEN * max_prompt_tokens
-        handler = type("Handler", (_Handler,), {"app": self, "timeout": idle_timeout})
-        self._httpd = _HTTPServer((host, port), handler, max_connections)
+        self._handler = type("Handler", (_Handler,), {"app": self, "timeout": idle_timeout})
+        self._httpd = _HTTPServer((host, port), self._handler, max_connections)
         self.host, self.port = host, self._httpd.server_address[1]
         self._thread: threading.Thread | None = None
+
+    @property
+    def idle_timeout(self) -> float:
+        """Seconds a connection's socket waits on its client (for connections made after a
+        change)."""
+        return self._handler.timeout
+
+    @idle_timeout.setter
+    def idle_timeout(self, seconds: float) -> None:
+        self._handler.timeout = seconds
 
     @property
     def active_connections(self) -> int:
