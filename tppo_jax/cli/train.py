@@ -122,8 +122,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     hooks = nan_updates_from(int(fault)) if fault else None
     rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
     try:
-        # The lock is held from here to the summary (the set-up takes it again, a no-op).
-        release = claim_run_dir(rd, args.resume, check=False)
+        # The lock is held from here to the summary (lent once: the set-up takes it again).
+        release = claim_run_dir(rd, args.resume, check=False, lend=True)
     except RunDirError as e:
         print(f"tppo train: refused: {e}", file=sys.stderr)
         return 2

@@ -32,17 +32,18 @@ OWNER = "OWNER"  # CHECKPOINTS/OWNER: {"run_id", "run_dir"} of the run whose fol
 
 
 def claim_run_dir(rd: RunDir, resume: bool, *, check: bool = True,
-                  train_steps: int | None = None) -> Callable[[], None]:
+                  train_steps: int | None = None, lend: bool = False) -> Callable[[], None]:
     """Process 0 takes the run dir's lock (one writer) and (``check``) checks that this
     start loses nothing (``start_problem``, ``finished_problem`` with ``train_steps``) and
     claims the checkpoint folder; every process gets its answer, so all stop or none.
+    ``lend``: the one Trainer this caller builds may take the lock again (``lock_run_dir``).
     Returns the function that lets go of the lock(s); ``RunDirError`` (one line) else."""
     releases: list[Callable[[], None]] = []
     problem = None
     if mh.is_primary():
         try:
             check_writable(rd.local)
-            releases.append(lock_run_dir(rd.local))
+            releases.append(lock_run_dir(rd.local, lend=lend))
             if check:
                 start_problem(rd, resume)
                 if resume and train_steps is not None:
