@@ -63,7 +63,7 @@ from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 from tppo_jax.runs.checkpoint import Checkpointer, host_meta
 from tppo_jax.runs.metrics import MetricsWriter
 from tppo_jax.runs.run_claim import claim_run_dir
-from tppo_jax.runs.run_config import run_config_text
+from tppo_jax.runs.run_config import check_resume, run_config_text
 from tppo_jax.runs.run_dir import RunDir, mirror, pull, resolve_run_dir, write_atomic
 from tppo_jax.runs.wandb_log import wandb_settings
 from tppo_jax.trainer.collect import Rollout, collect, init_value_bias, learner_input
@@ -218,8 +218,9 @@ class Trainer:
         self.ckpt = Checkpointer(rd.checkpoints, every=cfg.checkpoint.every,
                                  keep=cfg.checkpoint.keep)
         rd.local.mkdir(parents=True, exist_ok=True)
-        if resume:  # a bucket run's logs, so the resumed run appends to them (other hosts:
-            pull(rd, only=None if self.primary else RUN_SUBDIR)  # only their warm-start)
+        if resume:  # the CLI's and the API's alike: no change the checkpoints forbid; then
+            check_resume(rd.remote or rd.local, cfg)  # a bucket run's logs, so it appends
+            pull(rd, only=None if self.primary else RUN_SUBDIR)  # (other hosts: warm-start)
         if self.primary:  # whole or not at all: a resume refuses a truncated config.yaml
             write_atomic(rd.local / "config.yaml", run_config_text(cfg))
         self.progress = progress and cfg.logging.progress
