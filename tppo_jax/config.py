@@ -216,6 +216,9 @@ class RewardConfig:
     # fn(prompt, completion, row) -> float or {"reward", "correct", "reason"} in the grading
     # workers with the deadlines above (rewards/custom.py); null = math-verify.
     fn: str | None = None
+    # A reward.fn result beyond +-max_abs is a graded failure (reason crash, reward.error):
+    # past it float32 advantages and squared losses overflow.
+    max_abs: float = 1e4
     # A no-signal control (tppo bench learning): each step's graded rewards and verdicts are
     # permuted across its finished rows before any update sees them. Never for a real run.
     shuffle_control: bool = False

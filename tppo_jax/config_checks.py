@@ -137,6 +137,7 @@ RANGES: dict[str, Range] = {
     "reward.overlong_buffer": NON_NEGATIVE, "reward.overlong_penalty": NON_NEGATIVE,
     "reward.verify_timeout_s": Range(1),  # whole seconds (SIGALRM)
     "reward.max_tasks_per_child": POSITIVE, "reward.crash_retries": NON_NEGATIVE,
+    "reward.max_abs": Range(0, 1e9, lo_open=True),  # 1e9 squared still fits float32
     "mesh.data": MESH_AXIS, "mesh.fsdp": MESH_AXIS, "mesh.tensor": MESH_AXIS,
     "mesh.decode_tensor": NON_NEGATIVE,  # 0 = decode on the training mesh
     "checkpoint.every": NON_NEGATIVE,  # 0 = only the last step

@@ -20,7 +20,10 @@ __all__ = ["COMMANDS", "add_config_args", "build_parser", "main", "register"]
 
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the resolved config (after overrides and validation) as YAML."""
+    from tppo_jax.rewards.custom import check_reward
+
     cfg = load_config(args.config, args.overrides)
+    check_reward(cfg.reward)  # reward.fn imported and called once on a sample row
     print(cfg.to_yaml(), end="")
     return 0
 

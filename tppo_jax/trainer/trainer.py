@@ -57,6 +57,7 @@ from tppo_jax.learner import (
 from tppo_jax.learner.state import scheduled_lrs
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.mesh import decode_mesh, make_mesh, reshard
+from tppo_jax.rewards.custom import check_reward
 from tppo_jax.rewards.grader import MathGrader, answer_format_for
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
@@ -229,6 +230,7 @@ class Trainer:
         # Rollout's and eval's mesh: the training mesh unless mesh.decode_tensor is set
         self.decode_mesh = decode_mesh(self.mesh, m.decode_tensor) if m.decode_tensor else self.mesh
         rows = load_data(cfg)  # read and checked before a warm-start or model load costs time
+        check_reward(cfg.reward, rows[0][:1])  # reward.fn imported and called once: up front
         self.models = load_models(cfg, rd.local, self.progress, self.mesh)
         self.train_rows, self.eval_rows, self.encode = prompt_rows(cfg, self.models.tokenizer,
                                                                    rows)
