@@ -68,10 +68,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, with ``key=value`` overrides accepted anywhere, after options
+    too (argparse fills a positional list once, from the first run of positionals)."""
+    args, extra = parser.parse_known_args(argv)
+    takes = isinstance(getattr(args, "overrides", None), list)
+    bad = [a for a in extra if not takes or a.startswith("-") or "=" not in a]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     _register_optional()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0
