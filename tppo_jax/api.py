@@ -45,7 +45,10 @@ def fit(config: Config | str | Path | None = None, run_dir: str | Path | None = 
     Raises:
       ConfigError: a bad config or override (one-line message).
     """
+    from tppo_jax.backend_env import cpu_only_where_nothing_else
     from tppo_jax.runs.run_config import resume_config
+
+    cpu_only_where_nothing_else()  # no libtpu start-up noise where there is no TPU
     from tppo_jax.trainer.trainer import train
 
     ov = _override_list(overrides)

@@ -82,6 +82,9 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tppo_jax.backend_env import cpu_only_where_nothing_else
+
+    cpu_only_where_nothing_else()  # no libtpu start-up noise where there is no TPU
     _register_optional()
     parser = build_parser()
     args = parse_args(parser, argv)
