@@ -2,13 +2,16 @@
 
 The function is called as ``fn(prompt, completion, row)``: ``prompt`` is the row's question
 (the user message before any template), ``completion`` the decoded response, ``row`` a dict
-of the row (``id``, ``question``, ``answer``, ``solution``, ``source``). It returns a float
-(the reward; the sample counts as correct when it reaches ``reward.correct``) or a grade
-record, a dict ``{"reward": float, "correct": bool, "reason": str}`` (``correct`` and
-``reason`` optional). It runs in the grading worker pool with the same deadlines as
-math-verify (``reward.item_timeout_s``, ``reward.batch_deadline_s``): an exception, a
-non-finite or non-numeric reward is a graded failure (reason ``crash``, reward
-``reward.error``) and an overrun a ``timeout``; the run logs why and goes on.
+of the row (``id``, ``question``, ``answer``, ``solution``, ``source``). It returns a number
+(a numpy scalar too; the sample counts as correct when it reaches ``reward.correct``) or a
+grade record, a dict ``{"reward": float, "correct": bool, "reason": str}`` (``correct`` and
+``reason`` optional; the reason is kept in ``samples.jsonl``). It runs in the grading worker
+pool with the same deadlines as math-verify (``reward.item_timeout_s``,
+``reward.batch_deadline_s``): an exception, a non-numeric reward, one beyond
+``reward.max_abs`` (float32's losses overflow past it) or a non-bool ``correct`` is a graded
+failure (reason ``crash``, reward ``reward.error``) and an overrun a ``timeout``; the run
+logs why and goes on, unless it fails on nearly every item of a batch (``STOP_FRACTION``):
+then it stops in one line (``RewardFnError``).
 
 The module is found as Python finds a script's (installed, on ``PYTHONPATH``, or in the
 working directory); not the script that calls ``tppo_jax.fit``, which the workers never
