@@ -13,10 +13,11 @@ summary), minus the command line's printing. It works from a plain script withou
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
-from tppo_jax.config import Config, load_config
+from tppo_jax.config import Config, ConfigError, load_config
 
 
 def fit(config: Config | str | Path | None = None, run_dir: str | Path | None = None, *,
@@ -31,7 +32,10 @@ def fit(config: Config | str | Path | None = None, run_dir: str | Path | None = 
         A new run refuses a directory that holds another run unless ``resume``.
       overrides: ``["train.steps=10", ...]`` or ``{"train.steps": 10}``, applied on top of
         the named ``config`` (not with a ``Config``: give those to ``load_config``).
-      resume: continue the run in ``run_dir`` from its latest checkpoint.
+      resume: continue the run in ``run_dir`` from its latest checkpoint, as ``tppo train
+        --resume`` does: with the run's own ``config.yaml`` (``overrides`` on top; a named
+        ``config``'s differences from it), refusing a change to a key the checkpoints, the
+        warm-start or the data order depend on.
       progress: progress bars.
 
     Returns:
@@ -41,19 +45,45 @@ def fit(config: Config | str | Path | None = None, run_dir: str | Path | None = 
     Raises:
       ConfigError: a bad config or override (one-line message).
     """
+    from tppo_jax.backend_env import cpu_only_where_nothing_else
+    from tppo_jax.runs.run_config import resume_config
+
+    cpu_only_where_nothing_else()  # no libtpu start-up noise where there is no TPU
     from tppo_jax.trainer.trainer import train
 
     ov = _override_list(overrides)
-    if isinstance(config, Config):
-        if ov:
-            raise ValueError("fit(Config, overrides=...): apply overrides when loading, "
-                             "load_config(name, overrides), or pass the config's name")
-        cfg, name = config, "api"
-    else:
-        cfg = load_config(config, ov)
-        name = Path(str(config)).stem if config else "default"
-    return train(cfg, run_dir if run_dir is not None else Path("runs") / name, resume=resume,
-                 progress=progress)
+    try:
+        if isinstance(config, Config):
+            if ov:
+                raise ValueError("fit(Config, overrides=...): apply overrides when loading, "
+                                 "load_config(name, overrides), or pass the config's name")
+            cfg, name = config, "api"
+        else:
+            name = Path(str(config)).stem if config else "default"
+        run_dir = run_dir if run_dir is not None else Path("runs") / name
+        if not isinstance(config, Config):
+            # As ``tppo train --resume``: the run's own config.yaml, overrides on top (or
+            # a named config's differences from it); a Config is checked by the Trainer.
+            cfg = (resume_config(str(run_dir), None if config is None else str(config), ov)
+                   if resume else None) or load_config(config, ov)
+        return train(cfg, run_dir, resume=resume, progress=progress)
+    except ConfigError as e:
+        e.args = (api_terms(str(e)),)  # RunDirError too: the API's words for the CLI's flags
+        raise
+
+
+# The command line's flags in a refusal's advice, as ``fit``'s arguments.
+_API_TERMS = ((re.compile(r"--run-dir ((?:/|\w+://)[^\s;,)]*)"), r"run_dir=\1"),
+              (re.compile(r"--run-dir\b"), "run_dir"), (re.compile(r"--resume\b"), "resume=True"),
+              (re.compile(r"--start-over\b"), "`tppo train --start-over`"))
+
+
+def api_terms(message: str) -> str:
+    """A refusal written for ``tppo train`` in ``fit``'s terms: ``--resume`` is
+    ``resume=True``, ``--run-dir X`` is ``run_dir=X``."""
+    for pattern, repl in _API_TERMS:
+        message = pattern.sub(repl, message)
+    return message
 
 
 def _override_list(overrides: list[str] | dict[str, Any] | None) -> list[str]:

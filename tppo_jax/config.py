@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import logging
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -216,6 +218,9 @@ class RewardConfig:
     # fn(prompt, completion, row) -> float or {"reward", "correct", "reason"} in the grading
     # workers with the deadlines above (rewards/custom.py); null = math-verify.
     fn: str | None = None
+    # A reward.fn result beyond +-max_abs is a graded failure (reason crash, reward.error):
+    # past it float32 advantages and squared losses overflow.
+    max_abs: float = 1e4
     # A no-signal control (tppo bench learning): each step's graded rewards and verdicts are
     # permuted across its finished rows before any update sees them. Never for a real run.
     shuffle_control: bool = False
@@ -522,13 +527,31 @@ def configs_dir() -> Path:
     return Path(pkg.__file__).parent
 
 
+def looks_like_path(name: str | Path) -> bool:
+    """Whether a config name is written as a path (has a ``/`` or a ``.yaml`` / ``.yml``
+    suffix): only then may a file in the working directory stand for it."""
+    text = str(name)
+    return "/" in text or os.sep in text or text.endswith((".yaml", ".yml"))
+
+
 def resolve_config_path(name: str | Path) -> Path:
+    """The file a config name stands for: a path as written when it looks like one
+    (``looks_like_path``); else the shipped config of that name (a file or folder named
+    so in the working directory is not used, said in a warning), else an existing file."""
     p = Path(name)
-    if p.exists():
-        return p
-    for cand in (configs_dir() / p, configs_dir() / f"{p}.yaml"):
-        if cand.exists():
-            return cand
+    if looks_like_path(name):
+        if p.exists():
+            return p
+    else:
+        shipped = configs_dir() / f"{p}.yaml"
+        if shipped.is_file():
+            if p.exists():
+                logging.getLogger(__name__).warning(
+                    "config %s: the shipped %s, not ./%s in the working directory (write "
+                    "./%s for that)", quote_name(str(name)), shipped, p, p)
+            return shipped
+        if p.is_file():
+            return p
     known = sorted(q.stem for q in configs_dir().glob("*.yaml"))
     raise ConfigError(f"config file {quote_name(str(name))} not found "
                       f"(shipped configs: {', '.join(known)})")
@@ -559,8 +582,12 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     while True:
         key = src.resolve()
         if key in chain:
-            names = " -> ".join(str(p.name) for p in [*chain, key])
-            raise ConfigError(f"config {quote_name(str(path))}: 'base' chain loops ({names})")
+            names = [str(p.name) for p in [*chain, key]]
+            if len(names) > 8:  # a loop over thousands of files stays one short line
+                names = [*names[:3], f"... {len(names) - 6} more ...", *names[-3:]]
+            text = " -> ".join(names)
+            text = text if len(text) <= 400 else f"{text[:397]}..."
+            raise ConfigError(f"config {quote_name(str(path))}: 'base' chain loops ({text})")
         chain.append(key)
         loaded = safe_load_yaml(read_config_text(src), str(src)) or {}
         if not isinstance(loaded, dict):

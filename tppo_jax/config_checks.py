@@ -132,11 +132,12 @@ RANGES: dict[str, Range] = {
     "data.max_value": Range(2),  # a chain problem starts at a value in [2, max_value]
     "data.max_steps": POSITIVE, "data.eval_size": Range(1, 1_000_000), "data.seed": SEED,
     "reward.correct": ANY, "reward.wrong": ANY, "reward.no_answer": ANY, "reward.error": ANY,
-    "reward.workers": NON_NEGATIVE,  # 0 = grade inline
+    "reward.workers": Range(0, 1024),  # 0 = grade inline; each is a process (~100 MB)
     "reward.item_timeout_s": POSITIVE, "reward.batch_deadline_s": POSITIVE,
     "reward.overlong_buffer": NON_NEGATIVE, "reward.overlong_penalty": NON_NEGATIVE,
     "reward.verify_timeout_s": Range(1),  # whole seconds (SIGALRM)
     "reward.max_tasks_per_child": POSITIVE, "reward.crash_retries": NON_NEGATIVE,
+    "reward.max_abs": Range(0, 1e9, lo_open=True),  # 1e9 squared still fits float32
     "mesh.data": MESH_AXIS, "mesh.fsdp": MESH_AXIS, "mesh.tensor": MESH_AXIS,
     "mesh.decode_tensor": NON_NEGATIVE,  # 0 = decode on the training mesh
     "checkpoint.every": NON_NEGATIVE,  # 0 = only the last step
@@ -242,6 +243,12 @@ def _check_rollout_and_algo(cfg: Config) -> None:
             f"rollout.window (l={r.window}) > rollout.max_response_len (L={r.max_response_len}); "
             f"set window = max_response_len for synchronous PPO"
         )
+    ignore = cfg.algo.window_ignore_tokens
+    if r.window < r.max_response_len and ignore >= r.window:
+        raise ConfigError(
+            f"algo.window_ignore_tokens ({ignore}) must be below rollout.window ({r.window}): "
+            f"it leaves the last tokens of an unfinished window out of the policy loss, so "
+            f"no token of one would train")
     if r.max_prompt_len + r.max_response_len > cfg.model.max_seq_len:
         raise ConfigError(
             f"rollout.max_prompt_len + rollout.max_response_len = "
@@ -253,9 +260,10 @@ def _check_rollout_and_algo(cfg: Config) -> None:
             f"slots ({r.slots}) not divisible by optim.minibatches * optim.grad_accum "
             f"({o.minibatches} * {o.grad_accum})"
         )
-    if r.kv_cache == "paged" and r.num_pages:
+    if r.kv_cache != "dense" and r.num_pages:
         # The scheduler admits a prompt only with pages for it and its first window.
-        # (Value pretraining's rollouts are one full-length window.)
+        # (Value pretraining's rollouts are one full-length window.) `auto` is paged on a
+        # TPU or GPU, whatever machine checks the config: it is checked as paged.
         pre = cfg.algo.value_pretrain_steps > 0
         window = r.max_response_len if pre else min(r.window, r.max_response_len)
         need = -(-(r.max_prompt_len - 1 + window) // r.page_size)
@@ -266,7 +274,9 @@ def _check_rollout_and_algo(cfg: Config) -> None:
                 f"rollout.num_pages ({r.num_pages}) cannot hold one prompt and its first "
                 f"window: rollout.max_prompt_len - 1 + {what} = "
                 f"{r.max_prompt_len - 1 + window} tokens need {need} pages of "
-                f"rollout.page_size {r.page_size}; raise it (0 = enough for every slot)")
+                f"rollout.page_size {r.page_size}"
+                f"{' (rollout.kv_cache=auto is paged on TPU and GPU)' * (r.kv_cache == 'auto')}"
+                f"; raise it (0 = enough for every slot)")
     cells = r.slots * (r.max_prompt_len + r.max_response_len)
     if cells > MAX_TOKEN_CELLS:
         raise ConfigError(

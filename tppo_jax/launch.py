@@ -167,6 +167,19 @@ def validate_name(name: str) -> str:
     return name
 
 
+def refuse_control_chars(args: dict[str, object]) -> None:
+    """``LaunchError`` naming the first argument (``--zone``, an override, ...) holding a
+    control character: a newline in one would end a ``#`` comment of the printed script
+    and run the rest as a command (and no zone, path or override needs one)."""
+    for key, value in args.items():
+        for text in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(text, str) and any(ord(c) < 32 or ord(c) == 127 for c in text):
+                flag = "a key=value override" if key == "overrides" else (
+                    f"--{key.replace('_', '-')}")
+                raise LaunchError(f"{flag} holds a control character ({text[:60]!r}): "
+                                  f"arguments of tppo launch are one line of printable text")
+
+
 def _gcloud(spec: LaunchSpec, *args: str, alpha: bool = False) -> tuple[str, ...]:
     base = ("gcloud", "alpha") if alpha else ("gcloud",)
     project = ("--project", spec.project) if spec.project else ()

@@ -90,6 +90,9 @@ def parse_topology(text: str) -> Topology:
     if m:
         gen = "v5litepod" if m.group(1) in ("v5e", "v5litepod") else m.group(1)
         grid = tuple(int(x) for x in m.group(2).split("x"))
+        if min(grid) < 1:
+            raise TopologyError(f"topology {text!r}: every grid dimension must be at least 1 "
+                                f"chip, e.g. v5e:2x2, v5p:2x2x1")
         if len(grid) != (2 if gen in ("v5litepod", "v6e") else 3):
             raise TopologyError(f"topology {text!r}: {m.group(1)} grids have "
                                 f"{2 if gen in ('v5litepod', 'v6e') else 3} dimensions")

@@ -126,3 +126,22 @@ def test_a_folder_that_holds_no_dataset_is_one_line(tmp_path: Path, content: str
     with pytest.raises(DataError) as e:
         read_source(str(d))
     assert str(d) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_overrides_are_accepted_after_options(capsys) -> None:
+    """Issue 62 L-9: ``tppo data preview --config X key=value`` and ``tppo plan CONFIG
+    --topology T --compile key=value`` failed with "unrecognized arguments"."""
+    from tppo_jax import cli
+
+    cli._register_optional()
+    parser = cli.build_parser()
+    args = cli.parse_args(parser, ["data", "preview", "--config", "smoke", "data.seed=3"])
+    assert args.config == "smoke" and args.overrides == ["data.seed=3"]
+    args = cli.parse_args(parser, ["plan", "smoke", "train.steps=2", "--topology", "v5e:2x2",
+                                   "--compile", "rollout.window=32"])
+    assert args.overrides == ["train.steps=2", "rollout.window=32"] and args.compile
+    for argv in (["data", "preview", "--bogus"], ["data", "preview", "-n", "1", "stray"]):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(parser, argv)
+        assert e.value.code == 2
+    assert "unrecognized arguments: " in capsys.readouterr().err

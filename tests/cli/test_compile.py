@@ -30,7 +30,9 @@ def test_parse_topology(name, grid, chips, hosts):
     assert t.hbm_bytes == (95 if t.generation == "v5p" else 16) * 1024**3
 
 
-@pytest.mark.parametrize("bad", ["v5e:2x2x2", "v5p:2x2", "v7-8", "v5litepod-3"])
+# v5e:0x0 and v5p:2x0x1: issue 62 L-13 ("division by zero")
+@pytest.mark.parametrize("bad", ["v5e:2x2x2", "v5p:2x2", "v7-8", "v5litepod-3", "v5e:0x0",
+                                 "v5p:2x0x1"])
 def test_bad_topology_one_line(bad):
     with pytest.raises(TopologyError) as e:
         parse_topology(bad)

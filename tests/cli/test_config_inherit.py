@@ -100,3 +100,37 @@ def test_cli_prints_a_duplicate_key_in_one_line(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.count("\n") == 1 and "duplicate key 'train' at lines 1 and 3" in r.stderr
+
+
+def test_a_name_is_the_shipped_config_a_path_is_a_file(tmp_path, monkeypatch, caplog) -> None:
+    """Issue 62 L-8: a folder named ``default`` or ``smoke`` in the working directory broke
+    ``tppo train``; a file named ``smoke`` silently replaced the shipped config."""
+    import logging
+
+    from tppo_jax.config import resolve_config_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").mkdir()
+    (tmp_path / "smoke").write_text("train:\n  steps: 777\n")
+    with caplog.at_level(logging.WARNING):
+        assert load_config(None).train.steps != 777  # the shipped default, not the folder
+        assert load_config("smoke").train.steps != 777
+    assert resolve_config_path("smoke") == configs_dir() / "smoke.yaml"
+    assert "not ./smoke in the working directory" in caplog.text
+    assert load_config("./smoke").train.steps == 777  # a path when written as one
+    (tmp_path / "mine").write_text("train:\n  steps: 5\n")
+    assert load_config("mine").train.steps == 5  # no shipped config of that name
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("nowhere/x.yaml")
+
+
+def test_a_long_base_loop_is_one_short_line(tmp_path) -> None:
+    """Issue 62 L-8: a 3,000-file ``base:`` loop gave a 41 KB error line (300 here)."""
+    n = 300  # 2.4 KB of names uncapped
+    for i in range(n):
+        (tmp_path / f"c{i}.yaml").write_text(f"base: c{(i + 1) % n}.yaml\n")
+    with pytest.raises(ConfigError) as e:
+        read_config_file(tmp_path / "c0.yaml")
+    msg = str(e.value)
+    assert "chain loops (c0.yaml -> c1.yaml -> c2.yaml -> ... 295 more ..." in msg
+    assert len(msg) < 600 and "\n" not in msg

@@ -235,3 +235,25 @@ def test_values_that_crashed_or_hung_train_are_refused(override: str, needle: st
 def test_a_rollout_batch_past_int32_positions_is_refused() -> None:
     with pytest.raises(ConfigError, match="token positions per step"):
         load_config(None, ["rollout.prompts_per_step=65536", "rollout.group_size=1024"])
+
+
+def test_auto_kv_cache_is_checked_as_paged() -> None:
+    """Issue 62 M-4: ``kv_cache=auto`` is paged on TPU/GPU; num_pages=1 was accepted."""
+    base = ["rollout.max_prompt_len=64", "rollout.window=16", "rollout.page_size=16"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*base, "rollout.kv_cache=auto", "rollout.num_pages=1"])
+    msg = str(e.value)
+    assert "rollout.num_pages (1) cannot hold one prompt" in msg and "auto is paged" in msg
+    load_config(None, [*base, "rollout.kv_cache=dense", "rollout.num_pages=1"])  # unused
+
+
+def test_caps_on_window_ignore_tokens_and_workers() -> None:
+    """Issue 62 (round 4's L4 caps): both were accepted."""
+    with pytest.raises(ConfigError) as e:
+        load_config("smoke", ["algo.window_ignore_tokens=100"])  # smoke's window is 16
+    msg = str(e.value)
+    assert "algo.window_ignore_tokens (100) must be below rollout.window (16)" in msg
+    assert "\n" not in msg
+    load_config("smoke", ["algo.window_ignore_tokens=15"])
+    with pytest.raises(ConfigError, match=r"reward.workers must be in \[0, 1024\]"):
+        load_config("smoke", ["reward.workers=100000"])

@@ -256,3 +256,18 @@ def test_copy_back_path_and_the_delete_does_not_depend_on_the_copy(capsys, run_d
     assert where in copy
     assert rc == 1 and ran[-1][:5] == ["gcloud", "compute", "tpus", "tpu-vm", "delete"]
     assert "copy results from worker 0) failed: exit code 3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--zone", "us-central2-b\ntouch /tmp/pwned"), ("--run-dir", "runs/x\r\nrm -rf ~"),
+    ("--bucket", "gs://b\x1b[2J"), ("--name", "t1\n"), ("", "train.steps=1\nid")])
+def test_control_characters_in_launch_arguments_are_refused(capsys, flag, value):
+    """Issue 62 L-5: a newline in ``--zone`` escaped a ``#`` comment of the dry-run script
+    into a live line."""
+    argv = ["launch", "--config", "smoke", "--tpu-type", "v5litepod-8", "--dry-run",
+            "--plan", "arithmetic", *([flag, value] if flag else [value])]
+    rc = tppo(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert "holds a control character" in err
+    assert (flag or "a key=value override") in err

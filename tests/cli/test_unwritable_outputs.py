@@ -57,3 +57,31 @@ def test_train_refuses_a_full_disk_before_any_work(tmp_path, capsys, monkeypatch
 @pytest.fixture(autouse=True)
 def _cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+
+
+FULL_DISK = """
+import resource, signal, sys
+from pathlib import Path
+from tppo_jax.cli.runs import save_report
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))
+sys.exit(0 if save_report(Path(sys.argv[1]), {"accuracy": 61.5, "pad": "x" * 2000}) else 1)
+"""
+
+
+def test_eval_prints_its_result_before_a_write_that_fails(tmp_path):
+    """Issue 62 L-11: on a full disk ``tppo eval`` lost the result of the whole eval (it
+    wrote before it printed). Now printed first; the failed write is one line naming the
+    file, and leaves no partial file."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "eval.json"
+    r = subprocess.run([sys.executable, "-c", FULL_DISK, str(out)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert json.loads(r.stdout)["accuracy"] == 61.5
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and f"not saved: cannot write {out}: File too large" in err[0], err
+    assert list(tmp_path.iterdir()) == []

@@ -32,3 +32,15 @@ def test_eval_source_is_the_held_out_set(tmp_path):
     rows, evals = load_data(cfg)
     assert [r.answer for r in rows] == ["1", "2", "3", "4", "5"]  # every source row trains
     assert [r.answer for r in evals] == ["101", "102", "103"]  # the first eval_size rows
+
+
+def test_an_empty_eval_source_says_it_is_empty(tmp_path):
+    """Issue 62 L-10: it was reported as "every held-out prompt is longer than ..."."""
+    train = _jsonl(tmp_path / "train.jsonl", 5)
+    (tmp_path / "empty.jsonl").write_text("")
+    cfg = load_config(None, [f"data.source={train}",
+                             f"data.eval_source={tmp_path / 'empty.jsonl'}"])
+    with pytest.raises(ConfigError) as e:
+        load_data(cfg)
+    msg = str(e.value)
+    assert "empty.jsonl has no rows" in msg and "longer" not in msg and "\n" not in msg

@@ -32,7 +32,7 @@ def _snapshot(folder):
 def test_a_resume_refuses_another_runs_checkpoint_folder(tmp_path):
     a = _run_with_steps(tmp_path / "rL")
     owner = checkpoint_owner(a.checkpoints)
-    assert owner == {"run_id": (tmp_path / "rL" / RUN_ID).read_text().strip(),
+    assert owner == {"run_id": (tmp_path / "rL" / RUN_ID).read_text().split()[0],
                      "run_dir": str(tmp_path / "rL")}
     before = _snapshot(tmp_path / "rL")
     b = resolve_run_dir(tmp_path / "B", a.checkpoints)
@@ -91,3 +91,26 @@ def test_an_owned_folder_with_no_checkpoint_left_is_taken(tmp_path):
     claim_run_dir(resolve_run_dir(tmp_path / "A", str(ckpt)), resume=False)()
     claim_run_dir(resolve_run_dir(tmp_path / "B", str(ckpt)), resume=False)()
     assert json.loads((ckpt / OWNER).read_text())["run_dir"] == str(tmp_path / "B")
+
+
+def test_a_copy_of_a_live_run_gets_its_own_id(tmp_path):
+    """Issue 62 L-13: copies of a run shared its run id, so a copy resumed from, wrote into
+    and pruned the original's checkpoint folder. A copy (the original still there) is a run
+    of its own; its own checkpoints (copied with it) are its; the original's external
+    folder is not."""
+    from tppo_jax.runs.run_claim import run_id
+
+    ckpt = tmp_path / "shared"
+    a = _run_with_steps(tmp_path / "A", checkpoint_dir=str(ckpt))
+    _run_with_steps(tmp_path / "L")  # its checkpoints in L/checkpoints
+    for src, dst in (("A", "A2"), ("L", "L2")):
+        shutil.copytree(tmp_path / src, tmp_path / dst, ignore=shutil.ignore_patterns(LOCK))
+    before = _snapshot(ckpt)
+    with pytest.raises(RunDirError, match="belongs to another run"):
+        claim_run_dir(resolve_run_dir(tmp_path / "A2", str(ckpt)), resume=True)
+    assert _snapshot(ckpt) == before
+    assert run_id(resolve_run_dir(tmp_path / "A2")) != run_id(a)
+    claim_run_dir(resolve_run_dir(tmp_path / "L2"), resume=True)()  # its own copied folder
+    l1, l2 = (run_id(resolve_run_dir(tmp_path / n)) for n in ("L", "L2"))
+    assert l1 != l2 and checkpoint_owner(str(tmp_path / "L2" / "checkpoints"))["run_id"] == l2
+    claim_run_dir(a, resume=True)()  # the original resumes as before

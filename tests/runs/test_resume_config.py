@@ -64,3 +64,39 @@ def test_frozen_keys():
     assert not frozen("mesh.fsdp") and not frozen("algo.gamma")
     a = load_config("smoke")
     assert changes(a, a) == {}
+
+
+def test_the_api_resume_refuses_what_the_cli_refuses_in_its_own_words(run):
+    """H-2 (issue 62): ``fit(..., resume=True)`` resumed with a changed window, data seed
+    and eval size and rewrote config.yaml. Now the same refusal as ``--resume``, naming
+    ``resume=True``, before config.yaml is touched; a ``Config`` object too (the Trainer's
+    own check)."""
+    import dataclasses
+
+    import tppo_jax
+
+    path, saved = run
+    before = (path / "config.yaml").read_text()
+    with pytest.raises(ConfigError) as e:
+        tppo_jax.fit("smoke", path, resume=True, progress=False,
+                     overrides={"data.seed": 7, "data.eval_size": 16})
+    msg = str(e.value)
+    assert msg.startswith("resume=True cannot change ") and "--" not in msg, msg
+    assert "data.seed (0 -> 7)" in msg and "data.eval_size (8 -> 16)" in msg
+    assert "start a new run_dir instead" in msg and "\n" not in msg
+    changed = dataclasses.replace(saved, data=dataclasses.replace(saved.data, seed=7))
+    with pytest.raises(ConfigError, match=r"^resume=True cannot change data.seed \(0 -> 7\)"):
+        tppo_jax.fit(changed, path, resume=True, progress=False)
+    assert (path / "config.yaml").read_text() == before
+
+
+def test_the_api_names_resume_true_not_the_cli_flag(tmp_path):
+    """L-13 (issue 62): the API's refusal of a run dir holding a run said "--resume"."""
+    import tppo_jax
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(ConfigError) as e:
+        tppo_jax.fit("smoke", tmp_path, progress=False)
+    msg = str(e.value)
+    assert "resume=True continues that run" in msg and "--resume" not in msg, msg
+    assert "`tppo train --start-over`" in msg and "new run_dir" in msg

@@ -55,11 +55,14 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
     release()
 
 
-def test_the_lock_is_reentrant_in_one_process_and_released_by_the_last_hold(tmp_path):
+def test_a_lent_lock_lets_one_more_hold_in_and_is_released_by_the_last(tmp_path):
     run = tmp_path / "run"
-    outer = lock_run_dir(run)
-    inner = lock_run_dir(run)  # the CLI holds it, and the set-up takes it again
+    outer = lock_run_dir(run, lend=True)  # the CLI holds it, and the set-up takes it again
+    inner = lock_run_dir(run)
+    with pytest.raises(RunDirError, match="in use by another Trainer in this process"):
+        lock_run_dir(run)  # a second set-up under the same command: refused
     inner()
+    inner()  # a release called twice lets go of its own hold only
     code = f"from tppo_jax.runs.run_dir import lock_run_dir; lock_run_dir({str(run)!r})"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120)
@@ -68,6 +71,25 @@ def test_the_lock_is_reentrant_in_one_process_and_released_by_the_last_hold(tmp_
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_two_live_trainers_on_one_run_dir_in_one_process_are_refused(tmp_path):
+    """H-1 (issue 62): a notebook cell run twice built two trainers on one run dir, both
+    trained and saved step 9. The second is refused in one line; once the first is closed
+    the run dir is free again."""
+    from tppo_jax.runs.run_claim import claim_run_dir
+    from tppo_jax.runs.run_dir import resolve_run_dir
+
+    run = tmp_path / "run"
+    first = claim_run_dir(resolve_run_dir(run), resume=True)  # what a live Trainer holds
+    cfg = load_config("smoke", ["train.warmstart_steps=2", "train.compile_cache="])
+    with pytest.raises(RunDirError) as e:
+        Trainer(cfg, run, resume=True, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg and "in use by another Trainer in this process" in msg, msg
+    assert "close the first" in msg
+    first()
+    claim_run_dir(resolve_run_dir(run), resume=True)()
 
 
 def test_tppo_train_on_a_busy_run_dir_stops_in_one_line(tmp_path, capsys):

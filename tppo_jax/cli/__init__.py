@@ -20,7 +20,10 @@ __all__ = ["COMMANDS", "add_config_args", "build_parser", "main", "register"]
 
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the resolved config (after overrides and validation) as YAML."""
+    from tppo_jax.rewards.custom import check_reward
+
     cfg = load_config(args.config, args.overrides)
+    check_reward(cfg.reward)  # reward.fn imported and called once on a sample row
     print(cfg.to_yaml(), end="")
     return 0
 
@@ -65,10 +68,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, with ``key=value`` overrides accepted anywhere, after options
+    too (argparse fills a positional list once, from the first run of positionals)."""
+    args, extra = parser.parse_known_args(argv)
+    takes = isinstance(getattr(args, "overrides", None), list)
+    bad = [a for a in extra if not takes or a.startswith("-") or "=" not in a]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
+    from tppo_jax.backend_env import cpu_only_where_nothing_else
+
+    cpu_only_where_nothing_else()  # no libtpu start-up noise where there is no TPU
     _register_optional()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if not getattr(args, "_run", None):
         parser.print_help()
         return 0

@@ -56,6 +56,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         build_steps,
         default_name,
         parse_tpu_type,
+        refuse_control_chars,
         render,
         require_gcloud,
         run_steps,
@@ -64,6 +65,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from tppo_jax.plan import resolve_mesh
 
     try:
+        refuse_control_chars(vars(args))  # each lands in the printed or run shell script
         tpu = parse_tpu_type(args.tpu_type)
         # Fail here, not an hour later on the pod: the config must load and its mesh must
         # match the slice's chip count.

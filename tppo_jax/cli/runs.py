@@ -326,13 +326,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
     size = f"_n{args.eval_size}" if args.eval_size is not None else ""
     tag = protocol_tag(protocol.to_dict(), greedy=args.greedy)
     out = Path(args.out or run_dir / f"eval_{name}{size}_{tag}.json")
-    out.write_text(json.dumps(res, indent=2))
-    print(json.dumps(res))
+    saved = save_report(out, res)
     warn = no_answer_warning(res.get("no_answer"),
                              answer_format_for(cfg.data.format, cfg.reward.answer_format))
     if warn:
         print(warn, file=sys.stderr)
-    return 0
+    return 0 if saved else 1
+
+
+def save_report(out: Path, res: dict) -> bool:
+    """Prints the eval's result, then writes it to ``out`` (whole or not at all): a write
+    that fails (a full disk) loses nothing, and is said in one line naming where."""
+    from tppo_jax.runs.run_dir import write_atomic
+
+    print(json.dumps(res), flush=True)
+    try:
+        write_atomic(out, json.dumps(res, indent=2))
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        print(f"tppo eval: the result above was not saved: cannot write {out}: {why}",
+              file=sys.stderr)
+        return False
+    return True
 
 
 def _show_samples(policy, tok, rows, prompts, grader, sampling, lens, engines,

@@ -102,6 +102,7 @@ def run_files_error(e: OSError, rd: RunDir) -> str | None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from tppo_jax.config import load_config
+    from tppo_jax.rewards.custom import RewardFnError
     from tppo_jax.runs.checkpoint import CheckpointError
     from tppo_jax.runs.run_claim import claim_run_dir
     from tppo_jax.runs.run_config import resume_config
@@ -122,8 +123,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     hooks = nan_updates_from(int(fault)) if fault else None
     rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
     try:
-        # The lock is held from here to the summary (the set-up takes it again, a no-op).
-        release = claim_run_dir(rd, args.resume, check=False)
+        # The lock is held from here to the summary (lent once: the set-up takes it again).
+        release = claim_run_dir(rd, args.resume, check=False, lend=True)
     except RunDirError as e:
         print(f"tppo train: refused: {e}", file=sys.stderr)
         return 2
@@ -135,6 +136,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except RunDirError as e:
         print(f"tppo train: refused: {e}", file=sys.stderr)
         return 2
+    except RewardFnError as e:
+        print(f"tppo train: stopped: {e}", file=sys.stderr)
+        return 1
     except OSError as e:
         line = run_files_error(e, rd)
         if line is None:

@@ -35,7 +35,13 @@ def load_data(cfg: Config) -> tuple[list[MathExample], list[MathExample]]:
         return task.sample(20000, "train"), task.sample(d.eval_size, "test")
     rows = _read(cfg, d.source)
     if d.eval_source:  # a separate held-out file: every source row trains
-        return disjoint(rows, _read(cfg, d.eval_source)[:d.eval_size])
+        held_out = _read(cfg, d.eval_source)[:d.eval_size]
+        if not held_out:
+            raise ConfigError(f"data.eval_source {d.eval_source} has no rows"
+                              f"{' (every row was bad and skipped)' * (d.on_bad_row == 'skip')}"
+                              f": give a held-out file with rows, or leave data.eval_source "
+                              f"empty to hold out the last data.eval_size rows of data.source")
+        return disjoint(rows, held_out)
     if len(rows) <= d.eval_size:
         raise ConfigError(
             f"data.source {d.source} has {len(rows)} rows; the last data.eval_size="

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import multiprocessing as mp
 import os
 import re
@@ -31,8 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tppo_jax.config_checks import ConfigError
 from tppo_jax.data.readers import last_boxed
-from tppo_jax.rewards.custom import call_reward_fn, load_reward_fn
+from tppo_jax.rewards.custom import (
+    MIN_FAILED,
+    STOP_FRACTION,
+    RewardFnError,
+    call_reward_fn,
+    load_reward_fn,
+)
 from tppo_jax.rewards.workers import start_worker
 
 if TYPE_CHECKING:
@@ -193,22 +201,31 @@ def answer_problem(answer: str) -> str | None:
 
 
 def _grade_item(grade_kw: dict[str, Any], fn: Any, correct_reward: float, completion: str,
-                answer: str, row: dict | None) -> tuple[str, float | None, str | None]:
+                answer: str, row: dict | None, max_abs: float = math.inf
+                ) -> tuple[str, float | None, str | None]:
     """``(reason, reward or None: the reason's, note)`` of one item, by math-verify or by
     the user's reward function ``fn``."""
     if fn is None:
         return grade_one(completion, answer, **grade_kw), None, None
     row = row if row is not None else {"answer": answer}
-    return call_reward_fn(fn, str(row.get("question", "")), completion, row, correct_reward)
+    return call_reward_fn(fn, str(row.get("question", "")), completion, row, correct_reward,
+                          max_abs)
 
 
 def _worker_main(conn: Connection, grade_kw: dict[str, Any], fn_path: str | None = None,
-                 correct_reward: float = 1.0) -> None:
+                 correct_reward: float = 1.0, max_abs: float = math.inf,
+                 cwd: str | None = None) -> None:
     """Worker loop: pre-warm, then answer ``(idx, completion, answer, row)`` with
-    ``(idx, reason, reward, note)`` until ``None``/EOF."""
+    ``(idx, reason, reward, note)`` until ``None``/EOF. A reward function that cannot be
+    imported here is reported once (``("failed", message)``), not as a traceback."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # timeouts are counted, not logged
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle (close())
-    fn = load_reward_fn(fn_path) if fn_path else None
+    try:
+        fn = load_reward_fn(fn_path, cwd) if fn_path else None
+    except ConfigError as e:
+        with contextlib.suppress(OSError):
+            conn.send(("failed", f"{e} (in a grading worker)"))
+        return
     if fn is None:
         grade_one("\\boxed{1}", "1", **grade_kw)  # import + compile regexes now
     try:
@@ -224,7 +241,7 @@ def _worker_main(conn: Connection, grade_kw: dict[str, Any], fn_path: str | None
             return
         idx, completion, answer, row = msg
         try:
-            out = _grade_item(grade_kw, fn, correct_reward, completion, answer, row)
+            out = _grade_item(grade_kw, fn, correct_reward, completion, answer, row, max_abs)
         except Exception:  # noqa: BLE001 - a grading bug scores 0, it must not kill the worker
             out = ("crash", None, None)
         try:
@@ -271,6 +288,7 @@ class GradeResult:
     reasons: list[str]
     counts: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    notes: list[str | None] = field(default_factory=list)  # reward.fn's reason, or its error
 
 
 class MathGrader:
@@ -295,6 +313,7 @@ class MathGrader:
       startup_timeout_s: how long the constructor waits for the pre-warmed workers.
       reward_fn: ``package.module:function`` called instead of math-verify
         (``rewards/custom.py``); imported here first, so a bad path fails in one line.
+      max_abs: a ``reward_fn`` result beyond +-this is a graded failure (``crash``).
     """
 
     def __init__(
@@ -316,6 +335,7 @@ class MathGrader:
         startup_timeout_s: float = 60.0,
         crash_retries: int = 1,
         reward_fn: str | None = None,
+        max_abs: float = math.inf,
     ) -> None:
         if num_workers < 0 or item_timeout_s <= 0 or batch_deadline_s <= 0:
             raise ValueError("num_workers >= 0 and positive timeouts required")
@@ -338,7 +358,7 @@ class MathGrader:
             "answer_format": answer_format,
             "mv_timeout_s": mv_timeout_s,
         }
-        self.reward_fn = reward_fn
+        self.reward_fn, self.max_abs, self._cwd = reward_fn, max_abs, os.getcwd()
         self._fn = load_reward_fn(reward_fn) if reward_fn else None  # ConfigError when bad
         self._ctx = _context(mp_context)
         self._startup_timeout_s = startup_timeout_s
@@ -349,7 +369,12 @@ class MathGrader:
         self._closed = False
         self._startup_failures = 0
         self._workers: list[_Worker] = [self._spawn() for _ in range(num_workers)]
-        if num_workers and not self._wait_warm(startup_timeout_s, every=True):
+        try:
+            warm = not num_workers or self._wait_warm(startup_timeout_s, every=True)
+        except BaseException:
+            self.close()
+            raise
+        if not warm:
             self.close()
             raise TimeoutError("grading workers did not start in time")
 
@@ -364,13 +389,15 @@ class MathGrader:
                    correct_reward=reward.correct, wrong_reward=reward.wrong,
                    no_answer_reward=reward.no_answer, crash_retries=reward.crash_retries,
                    answer_format=answer_format_for(data_format, reward.answer_format),
-                   mv_timeout_s=reward.verify_timeout_s, reward_fn=reward.fn, **kw)
+                   mv_timeout_s=reward.verify_timeout_s, reward_fn=reward.fn,
+                   max_abs=reward.max_abs, **kw)
 
     # -------------------------------------------------------------------- worker management
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(target=_worker_main, daemon=True, args=(
-            child, self.grade_kw, self.reward_fn, self.reward_of["ok"]))
+            child, self.grade_kw, self.reward_fn, self.reward_of["ok"], self.max_abs,
+            self._cwd))
         start_worker(proc)  # never re-runs the user's script (rewards/workers.py)
         child.close()  # so the parent sees EOF when the worker dies
         self.stats["started"] += 1
@@ -400,6 +427,10 @@ class MathGrader:
             if left <= 0:
                 return False
             if self._startup_failures > 3 * self.num_workers:  # broken env: fail loudly
+                if self.reward_fn:  # its import in a worker ends the process
+                    raise ConfigError(f"reward.fn: grading workers importing {self.reward_fn} "
+                                      f"keep dying during start-up; a reward module must not "
+                                      f"exit or crash the interpreter")
                 raise RuntimeError("grading workers keep dying during start-up")
             for conn in wait([w.conn for w in self._workers], timeout=left):
                 self._on_message(conn, [], deque(), {})
@@ -440,7 +471,7 @@ class MathGrader:
     def _grade_inline(self, i: int, completion: str, answer: str, row: dict | None) -> str:
         try:
             reason, value, note = _grade_item(self.grade_kw, self._fn, self.reward_of["ok"],
-                                              completion, answer, row)
+                                              completion, answer, row, self.max_abs)
         except Exception:  # noqa: BLE001
             logger.exception("grading failed")
             return "crash"
@@ -506,6 +537,8 @@ class MathGrader:
         if msg[0] == "ready":
             w.ready = True
             return
+        if msg[0] == "failed":  # the reward function cannot be imported there: one line
+            raise ConfigError(msg[1])
         idx, reason, value, note = msg
         if idx == w.task:
             reasons[idx] = reason
@@ -523,14 +556,32 @@ class MathGrader:
         rewards = np.array([self.reward_of[r] if values.get(i, (None,))[0] is None or
                             r in ("timeout", "crash") else values[i][0]
                             for i, r in enumerate(reasons)], dtype=np.float32)
-        if self.reward_fn and (failed := [i for i, r in enumerate(reasons)
-                                          if r in ("timeout", "crash")]):
-            why = values.get(failed[0], (None, None))[1] or reasons[failed[0]]
-            logger.warning("reward.fn %s: %d of %d items failed (scored %g); first: %s",
-                           self.reward_fn, len(failed), len(reasons),
-                           self.reward_of["crash"], why)
+        notes = [values.get(i, (None, None))[1] for i in range(len(reasons))]
+        if self.reward_fn:
+            self._check_failures(reasons, notes)
         correct = np.array([r == "ok" for r in reasons], dtype=bool)
-        return GradeResult(rewards, correct, reasons, counts, elapsed)
+        return GradeResult(rewards, correct, reasons, counts, elapsed, notes)
+
+    def _check_failures(self, reasons: list[str], notes: list[str | None]) -> None:
+        """Logs a batch's reward-function failures; ``RewardFnError`` when it failed (a
+        ``crash``: raised, or no usable reward) on ``STOP_FRACTION`` of the items and at
+        least ``MIN_FAILED``: every reward would be ``reward.error``, a run learns nothing."""
+        failed = [i for i, r in enumerate(reasons) if r in ("timeout", "crash")]
+        if not failed:
+            return
+        crashed = [i for i in failed if reasons[i] == "crash"]
+        i = (crashed or failed)[0]
+        first = (f"it {notes[i]}" if notes[i] else
+                 "its grading worker died" if reasons[i] == "crash" else "it timed out")
+        if len(crashed) >= max(MIN_FAILED, STOP_FRACTION * len(reasons)):
+            raise RewardFnError(
+                f"reward.fn {self.reward_fn} failed on {len(crashed)} of {len(reasons)} items "
+                f"of one grading batch (a run stops at {STOP_FRACTION:.0%}, at least "
+                f"{MIN_FAILED}); first: {first}; fix the function, then run again "
+                f"(--resume continues from the last checkpoint)")
+        logger.warning("reward.fn %s: %d of %d items failed (scored %g); first: %s",
+                       self.reward_fn, len(failed), len(reasons), self.reward_of["crash"],
+                       first)
 
     # ---------------------------------------------------------------------------- lifecycle
     def close(self) -> None:

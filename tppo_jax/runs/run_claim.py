@@ -10,6 +10,7 @@ folder that another run owns, and a local folder outside the run dir is locked l
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -27,22 +28,25 @@ from tppo_jax.runs.run_dir import (
     resolve_run_dir,
 )
 
-RUN_ID = "run_id"  # RUN/run_id: the run's id, made at its first start
+log = logging.getLogger(__name__)
+
+RUN_ID = "run_id"  # RUN/run_id: the run's id, made at its first start, and the run dir
 OWNER = "OWNER"  # CHECKPOINTS/OWNER: {"run_id", "run_dir"} of the run whose folder it is
 
 
 def claim_run_dir(rd: RunDir, resume: bool, *, check: bool = True,
-                  train_steps: int | None = None) -> Callable[[], None]:
+                  train_steps: int | None = None, lend: bool = False) -> Callable[[], None]:
     """Process 0 takes the run dir's lock (one writer) and (``check``) checks that this
     start loses nothing (``start_problem``, ``finished_problem`` with ``train_steps``) and
     claims the checkpoint folder; every process gets its answer, so all stop or none.
+    ``lend``: the one Trainer this caller builds may take the lock again (``lock_run_dir``).
     Returns the function that lets go of the lock(s); ``RunDirError`` (one line) else."""
     releases: list[Callable[[], None]] = []
     problem = None
     if mh.is_primary():
         try:
             check_writable(rd.local)
-            releases.append(lock_run_dir(rd.local))
+            releases.append(lock_run_dir(rd.local, lend=lend))
             if check:
                 start_problem(rd, resume)
                 if resume and train_steps is not None:
@@ -120,14 +124,52 @@ def _read_text(path: epath.Path) -> str | None:
                           f"--run-dir") from None
 
 
+def _id_record(rd: RunDir) -> tuple[str, str | None] | None:
+    """``(id, the run dir it was made in or None)`` from ``RUN/run_id`` (locally or in a
+    bucket run's bucket: its first line is the id, its second where the run started)."""
+    for root in [epath.Path(rd.local)] + ([epath.Path(rd.remote)] if rd.remote else []):
+        text = _read_text(root / RUN_ID)
+        lines = [x.strip() for x in (text or "").splitlines() if x.strip()]
+        if lines:
+            return lines[0], (lines[1] if len(lines) > 1 else None)
+    return None
+
+
 def run_id(rd: RunDir) -> str | None:
     """The run's id (``RUN/run_id``, locally or in a bucket run's bucket); None before
     the run's first start."""
+    record = _id_record(rd)
+    return record[0] if record else None
+
+
+def _write_id(rd: RunDir, ident: str) -> None:
     for root in [epath.Path(rd.local)] + ([epath.Path(rd.remote)] if rd.remote else []):
-        text = _read_text(root / RUN_ID)
-        if text and text.strip():
-            return text.strip()
-    return None
+        root.mkdir(parents=True, exist_ok=True)
+        (root / RUN_ID).write_text(f"{ident}\n{rd.remote or rd.local}\n")
+
+
+def _own_id(rd: RunDir) -> str | None:
+    """The run's id, made its own when the run dir is a copy: a run dir whose id was made
+    in another run dir that still holds that id gets a new one (two live copies would
+    share one id, and with it each other's checkpoint folder); a moved one keeps its id."""
+    record = _id_record(rd)
+    if record is None:
+        return None
+    ident, made = record
+    here = str(rd.remote or rd.local)
+    if made == here:
+        return ident
+    if made is not None:
+        origin = resolve_run_dir(made)
+        other = _id_record(origin) if origin.local != rd.local else None
+        if other is not None and other[0] == ident:
+            new = uuid.uuid4().hex
+            log.warning("%s is a copy of %s (run id %s): it is a run of its own from now on, "
+                        "run id %s", here, made, ident, new)
+            _write_id(rd, new)
+            return new
+    _write_id(rd, ident)  # moved, or written before ids named their run dir
+    return ident
 
 
 def checkpoint_owner(checkpoints: str) -> dict[str, str] | None:
@@ -159,11 +201,12 @@ def claim_checkpoints(rd: RunDir) -> str:
     is not the run dir's own: resuming would splice two runs (restore the other's step,
     write into and prune its folder). An owned folder with no checkpoint left is taken."""
     owner = checkpoint_owner(rd.checkpoints)
-    mine = run_id(rd)
+    mine = _own_id(rd)
     steps, damaged = listed_steps(rd.checkpoints)
     held = (f"latest step {steps[0]}" if steps else f"set aside: {', '.join(damaged)}"
             ) if steps or damaged else ""
-    if owner is not None and owner["run_id"] != mine and held:
+    own_folder = not is_url(rd.checkpoints) and not _outside_run_dir(rd)  # copied with it
+    if owner is not None and owner["run_id"] != mine and held and not own_folder:
         raise RunDirError(
             f"{rd.checkpoints} belongs to another run ({owner['run_dir']}, id "
             f"{owner['run_id']}; {held}): a run restores, writes and prunes only its own "
@@ -178,9 +221,7 @@ def claim_checkpoints(rd: RunDir) -> str:
             f"them)")
     if mine is None:
         mine = uuid.uuid4().hex
-        for root in [epath.Path(rd.local)] + ([epath.Path(rd.remote)] if rd.remote else []):
-            root.mkdir(parents=True, exist_ok=True)
-            (root / RUN_ID).write_text(mine + "\n")
+        _write_id(rd, mine)
     if owner is None or owner["run_id"] != mine:
         folder = checkpoint_path(rd.checkpoints)
         folder.mkdir(parents=True, exist_ok=True)

@@ -122,11 +122,12 @@ def read_run_config(path: epath.Path) -> tuple[str, dict[str, Any]]:
                       f"file (nothing was changed), or start a new --run-dir")
 
 
-def _check_missing_keys(text: str, data: dict[str, Any], path: epath.Path) -> None:
+def _check_missing_keys(text: str, data: dict[str, Any], path: epath.Path,
+                        warn: bool = True) -> None:
     """Keys a config.yaml lacks take their defaults (keys a run written by an older version
-    did not have yet), said once each. Without ``END_MARKER`` the file may be cut short at
-    a line end inside its last section: a missing key that shapes the checkpoint, the
-    warm-start or the data order (``frozen``) is then refused, not guessed."""
+    did not have yet), said once each (``warn``). Without ``END_MARKER`` the file may be cut
+    short at a line end inside its last section: a missing key that shapes the checkpoint,
+    the warm-start or the data order (``frozen``) is then refused, not guessed."""
     have = set(_flat(data))
     missing = {k: v for k, v in _flat(Config().to_dict()).items() if k not in have}
     if not text.endswith(END_MARKER):
@@ -137,7 +138,44 @@ def _check_missing_keys(text: str, data: dict[str, Any], path: epath.Path) -> No
                               f"--resume needs the run's own config; restore the file "
                               f"(nothing was changed), or start a new --run-dir")
     for key, value in missing.items():
-        log.warning("resume: %s has no %s: using its default %r", path, key, value)
+        if warn:
+            log.warning("resume: %s has no %s: using its default %r", path, key, value)
+
+
+def _saved_and_new(path: epath.Path, config: str | None, overrides: list[str], *,
+                   warn: bool = True) -> tuple[Config, Config]:
+    """The run's saved config, and ``config`` (default: the saved one) with ``overrides``."""
+    text, data = read_run_config(path)
+    _check_missing_keys(text, data, path, warn)
+    with tempfile.TemporaryDirectory() as tmp:  # load_config reads local files
+        local = Path(tmp) / "config.yaml"
+        local.write_text(text)
+        try:
+            saved = load_config(local)
+        except ConfigError as e:  # name the run's file, not the temporary copy
+            raise ConfigError(f"{path}: {str(e).replace(str(local), str(path))}") from None
+        return saved, load_config(config if config is not None else local, overrides)
+
+
+def refuse_frozen(saved: Config, cfg: Config) -> dict[str, tuple[Any, Any]]:
+    """The changes from ``saved`` to ``cfg``; ``ConfigError`` naming every frozen key
+    among them (the one check of the CLI's ``--resume`` and the API's ``resume=True``)."""
+    diff = changes(saved, cfg)
+    refused = [f"{k} ({quote(a)} -> {quote(b)})" for k, (a, b) in diff.items() if frozen(k)]
+    if refused:
+        raise ConfigError(f"--resume cannot change {', '.join(refused)}: the run's checkpoints, "
+                          f"warm-start and data order depend on it; start a new --run-dir "
+                          f"instead")
+    return diff
+
+
+def check_resume(run_dir: str | Path, cfg: Config) -> None:
+    """A resume of ``run_dir`` with ``cfg`` (the Trainer's check, whoever built ``cfg``):
+    ``ConfigError`` when the run's ``config.yaml`` is damaged or ``cfg`` changes a frozen
+    key. Nothing when the run has no ``config.yaml`` yet (a fresh start)."""
+    path = epath.Path(run_dir) / "config.yaml"
+    if path.exists():
+        refuse_frozen(_saved_and_new(path, None, [], warn=False)[0], cfg)
 
 
 def resume_config(run_dir: str, config: str | None, overrides: list[str]) -> Config | None:
@@ -149,22 +187,8 @@ def resume_config(run_dir: str, config: str | None, overrides: list[str]) -> Con
     path = epath.Path(run_dir) / "config.yaml"  # a local folder or a bucket URL
     if not path.exists():
         return None
-    text, data = read_run_config(path)
-    _check_missing_keys(text, data, path)
-    with tempfile.TemporaryDirectory() as tmp:  # load_config reads local files
-        local = Path(tmp) / "config.yaml"
-        local.write_text(text)
-        try:
-            saved = load_config(local)
-        except ConfigError as e:  # name the run's file, not the temporary copy
-            raise ConfigError(f"{path}: {str(e).replace(str(local), str(path))}") from None
-        cfg = load_config(config if config is not None else local, overrides)
-    diff = changes(saved, cfg)
-    refused = [f"{k} ({quote(a)} -> {quote(b)})" for k, (a, b) in diff.items() if frozen(k)]
-    if refused:
-        raise ConfigError(f"--resume cannot change {', '.join(refused)}: the run's checkpoints, "
-                          f"warm-start and data order depend on it; start a new --run-dir "
-                          f"instead")
+    saved, cfg = _saved_and_new(path, config, overrides)
+    diff = refuse_frozen(saved, cfg)
     for k, (a, b) in diff.items():
         log.info("resume: %s changed from %s to %s (run config: %s)", k, quote(a), quote(b),
                  path)

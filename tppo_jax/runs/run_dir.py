@@ -122,17 +122,26 @@ def pull(rd: RunDir, only: str | None = None) -> None:
 
 
 # ---- one writer ------------------------------------------------------------------------
-_HELD: dict[Path, list[int]] = {}  # run dir -> [lock fd, holds]: re-entrant in one process
+# run dir -> [lock fd, holds, lends]: a hold taken with ``lend`` (the CLI's, around its one
+# Trainer) lets exactly one more hold in; any other second hold in this process is refused,
+# as a second process is (two Trainers on one run dir both train and save the same steps).
+_HELD: dict[Path, list[int]] = {}
 
 
-def lock_run_dir(local: Path) -> Callable[[], None]:
-    """Takes ``local/.lock`` for this process (again: a no-op hold, so the CLI and the set-up
-    can both hold it) and returns the function that lets go. ``RunDirError`` naming the
-    holder (pid, host, start time) when another process holds it."""
+def lock_run_dir(local: Path, *, lend: bool = False) -> Callable[[], None]:
+    """Takes ``local/.lock`` for this process and returns the function that lets go.
+    ``RunDirError`` naming the holder (pid, host, start time) when another process holds
+    it, and when this process holds it already, unless that hold was taken with ``lend``
+    and has not lent it yet (the command line holds the lock around the set-up's own)."""
     key = Path(local).absolute()
     if key in _HELD:
-        _HELD[key][1] += 1
-        return lambda: _release(key)
+        held = _HELD[key]
+        if not (held[2] and held[1] == 1):
+            raise RunDirError(f"{key} is in use by another Trainer in this process: one live "
+                              f"trainer per run dir; close the first (trainer.close(), or "
+                              f"end its with-block), or choose another run dir")
+        held[1] += 1
+        return _once(key)
     key.mkdir(parents=True, exist_ok=True)
     fd = os.open(key / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -148,8 +157,19 @@ def lock_run_dir(local: Path) -> Callable[[], None]:
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                              "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode())
-    _HELD[key] = [fd, 1]
-    return lambda: _release(key)
+    _HELD[key] = [fd, 1, int(lend)]
+    return _once(key)
+
+
+def _once(key: Path) -> Callable[[], None]:
+    """The release of one hold: a second call of it is a no-op (not another hold's)."""
+    done = []
+
+    def release() -> None:
+        if not done:
+            done.append(True)
+            _release(key)
+    return release
 
 
 def _holder(fd: int) -> str:

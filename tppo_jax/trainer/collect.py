@@ -71,7 +71,7 @@ def collect(sched: TruncatedRolloutScheduler, tok: Tokenizer, grader: MathGrader
                 (rb.total_len - rb.prompt_len)[fin], cfg.rollout.max_response_len,
                 cfg.reward.overlong_buffer, cfg.reward.overlong_penalty)
         samples = sample_rows(tok, rb, fin, texts, reward, g.reasons,
-                              cfg.logging.samples_per_step)
+                              cfg.logging.samples_per_step, g.notes)
     t_grade = time.time() - t0 - t_roll
     n_roll, c_roll = watch.take()
     return Rollout(rb, fin, reward, correct, counts, samples, idle, t0, t_roll, t_grade,
@@ -89,13 +89,17 @@ def shuffle_grades(reward: np.ndarray, correct: np.ndarray, fin: np.ndarray,
 
 
 def sample_rows(tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray, texts: list[str],
-                reward: np.ndarray, reasons: list[str], n: int) -> list[dict[str, Any]]:
-    """The first ``n`` finished rows as readable records (prompt, completion, grade)."""
+                reward: np.ndarray, reasons: list[str], n: int,
+                notes: list[str | None] | None = None) -> list[dict[str, Any]]:
+    """The first ``n`` finished rows as readable records (prompt, completion, grade; with a
+    ``reward.fn``, ``note``: the reason it returned, or why it failed)."""
     out = []
     for j, i in enumerate(rows[:n]):
         prompt = tok.decode(rb.tokens[i, :int(rb.prompt_len[i])], skip_special=False)
         out.append({"prompt": prompt, "completion": texts[j], "answer": rb.examples[i].answer,
                     "reward": float(reward[i]), "reason": reasons[j]})
+        if notes and notes[j] is not None:
+            out[-1]["note"] = notes[j]
     return out
 
 

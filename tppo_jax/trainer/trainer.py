@@ -57,13 +57,14 @@ from tppo_jax.learner import (
 from tppo_jax.learner.state import scheduled_lrs
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.mesh import decode_mesh, make_mesh, reshard
+from tppo_jax.rewards.custom import check_reward
 from tppo_jax.rewards.grader import MathGrader, answer_format_for
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 from tppo_jax.runs.checkpoint import Checkpointer, host_meta
 from tppo_jax.runs.metrics import MetricsWriter
 from tppo_jax.runs.run_claim import claim_run_dir
-from tppo_jax.runs.run_config import run_config_text
+from tppo_jax.runs.run_config import check_resume, run_config_text
 from tppo_jax.runs.run_dir import RunDir, mirror, pull, resolve_run_dir, write_atomic
 from tppo_jax.runs.wandb_log import wandb_settings
 from tppo_jax.trainer.collect import Rollout, collect, init_value_bias, learner_input
@@ -218,8 +219,9 @@ class Trainer:
         self.ckpt = Checkpointer(rd.checkpoints, every=cfg.checkpoint.every,
                                  keep=cfg.checkpoint.keep)
         rd.local.mkdir(parents=True, exist_ok=True)
-        if resume:  # a bucket run's logs, so the resumed run appends to them (other hosts:
-            pull(rd, only=None if self.primary else RUN_SUBDIR)  # only their warm-start)
+        if resume:  # the CLI's and the API's alike: no change the checkpoints forbid; then
+            check_resume(rd.remote or rd.local, cfg)  # a bucket run's logs, so it appends
+            pull(rd, only=None if self.primary else RUN_SUBDIR)  # (other hosts: warm-start)
         if self.primary:  # whole or not at all: a resume refuses a truncated config.yaml
             write_atomic(rd.local / "config.yaml", run_config_text(cfg))
         self.progress = progress and cfg.logging.progress
@@ -228,6 +230,7 @@ class Trainer:
         # Rollout's and eval's mesh: the training mesh unless mesh.decode_tensor is set
         self.decode_mesh = decode_mesh(self.mesh, m.decode_tensor) if m.decode_tensor else self.mesh
         rows = load_data(cfg)  # read and checked before a warm-start or model load costs time
+        check_reward(cfg.reward, rows[0][:1])  # reward.fn imported and called once: up front
         self.models = load_models(cfg, rd.local, self.progress, self.mesh)
         self.train_rows, self.eval_rows, self.encode = prompt_rows(cfg, self.models.tokenizer,
                                                                    rows)
