@@ -29,7 +29,6 @@ when every program's ``resident`` is within the chip's HBM. A program the compil
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import math
@@ -47,6 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tppo_jax.buckets import bucket_width, width_buckets
 from tppo_jax.config import Config, ConfigError, validate
+from tppo_jax.kernels.choice import kernels_for
 from tppo_jax.launch import GIB
 from tppo_jax.platform import Topology, TopologyError, abstract_devices, libtpu_version
 
@@ -121,9 +121,9 @@ def model_config(cfg: Config, unroll_layers: bool = False, layers: int | None = 
     a = resolve_arch(cfg)
     m = cfg.model
     remat = m.remat or m.source == "tiny"
-    # The target is a TPU: ``auto`` is splash there (traced under the mesh, see below)
-    attention = "splash" if m.attention == "auto" else m.attention
-    mc = a.model_config(dtype=m.dtype, remat=remat, attention=attention,
+    # ``auto`` stays: each program resolves it for its mesh's platform (``kernels.choice``),
+    # the topology's TPU here as on the slice
+    mc = a.model_config(dtype=m.dtype, remat=remat, attention=m.attention,
                         unroll_layers=unroll_layers,
                         max_position_embeddings=max(m.max_seq_len, cfg.rollout.max_prompt_len
                                                     + cfg.rollout.max_response_len))
@@ -397,13 +397,68 @@ def _cost(compiled: Any) -> dict[str, float]:
             "bytes_accessed": float(c.get("bytes accessed", 0.0))}
 
 
-def compile_program(p: Program, live: dict[str, int], hbm: int) -> dict[str, Any]:
-    """Compiles ``p`` with the TPU compiler; its record (see the module docstring)."""
+_CALL = re.compile(r'kernel_name = "([^"]+)"')
+_SIG = re.compile(r" : \(([^()]*)\) -> ")
+_TENSOR = re.compile(r"tensor<([0-9x]+)x(bf16|f16|f32)>")
+# Matmuls of [rows, S] x [S, D] each kernel runs per query row: forward QK and PV; the
+# backward's dq recomputes QK, then dO V and dS K; its dkv QK, dO V, P^T dO and dS^T Q.
+_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
+
+
+def kernel_calls(text: str) -> list[dict[str, Any]]:
+    """The Mosaic kernels (``tpu_custom_call``) in a lowered program's text: per call its
+    name and analytic FLOPs, which XLA's cost analysis cannot see (it counts a custom call
+    as ~0). From the operand shapes (per shard: a ``shard_map`` body has local shapes): q
+    ``[..., D]`` (rows = all but D) and the keys; splash ``S`` = the key length, causal (half
+    the ``T x S`` blocks); paged attention ``S`` = pages per slot x page size, every slot at
+    its full length (an upper bound). Like ``cost_analysis``, a loop body counts once."""
+    calls = []
+    for line in text.splitlines():
+        if "tpu_custom_call" not in line:
+            continue
+        m, sig = _CALL.search(line), _SIG.search(line[line.rfind(" : ("):])
+        name = m.group(1) if m else "tpu_custom_call"
+        floats = [tuple(int(x) for x in t.split("x")) for t, _ in
+                  _TENSOR.findall(sig.group(1))] if sig else []
+        flops = 0.0
+        if len(floats) >= 2:
+            q, k = floats[0], floats[1]
+            rows, d = math.prod(q[:-1]), q[-1]
+            if "paged" in name:
+                ints = [tuple(int(x) for x in t.split("x")) for t in
+                        re.findall(r"tensor<([0-9x]+)xi32>", sig.group(1))]
+                table = ints[1] if len(ints) > 1 else (0,)
+                s_len = (math.prod(table) // max(1, q[0])) * k[-2]
+                flops = 2.0 * 2 * rows * s_len * d
+            else:
+                kind = next((u for u in ("dkv", "dq") if f"_{u}" in name), "fwd")
+                flops = 2.0 * _MATMULS[kind] * rows * k[-2] * d / 2
+        calls.append({"name": name, "flops": flops})
+    return calls
+
+
+def _kernel_summary(lowered: Any) -> dict[str, Any]:
+    calls = kernel_calls(lowered.as_text())
+    names = sorted({c["name"] for c in calls})
+    return {"kernels": {n: sum(c["name"] == n for c in calls) for n in names},
+            "kernel_flops_analytic": sum(c["flops"] for c in calls)}
+
+
+def compile_program(p: Program, live: dict[str, int], hbm: int, needs_paged: bool = False
+                    ) -> dict[str, Any]:
+    """Compiles ``p`` with the TPU compiler; its record (see the module docstring).
+    ``needs_paged``: ``p`` is a paged decode window, which must hold a TPU paged-attention
+    kernel (without one it is not what a TPU runs: an error, not a fit)."""
     rec: dict[str, Any] = {"name": p.name, "kind": p.kind, **p.meta}
     others = sum(v for k, v in live.items() if k not in p.holds)
     t0 = time.perf_counter()
     try:
-        compiled = p.lower().compile()
+        lowered = p.lower()
+        rec.update(_kernel_summary(lowered))
+        if needs_paged and not any("paged" in n for n in rec["kernels"]):
+            raise ConfigError(f"{p.name}: no TPU paged-attention kernel in the lowered decode "
+                              f"window (kernels: {sorted(rec['kernels']) or 'none'})")
+        compiled = lowered.compile()
     except Exception as e:  # the compiler's errors are XlaRuntimeError / ValueError
         oom = _oom_message(e)
         if oom is None:
@@ -421,6 +476,7 @@ def compile_program(p: Program, live: dict[str, int], hbm: int) -> dict[str, Any
                peak=peak, live_outside=others, resident=resident,
                peak_gib=round(peak / GIB, 3), resident_gib=round(resident / GIB, 3),
                fits_alone=peak <= hbm, fits=resident <= hbm, **_cost(compiled))
+    rec["flops_incl_kernels"] = rec["flops"] + rec["kernel_flops_analytic"]
     return rec
 
 
@@ -457,7 +513,7 @@ def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = No
             "chips": topo.chips, "hosts": topo.hosts, "hbm_per_chip": topo.hbm_bytes,
             "hbm_gib": round(topo.hbm_bytes / GIB, 2), "mesh": sizes,
             "model": models_summary(cfg, unroll_layers, layers), **facts,
-            "attention": model_config(cfg).attention,
+            "attention": model_config(cfg).attention, "kernels": kernels_for("tpu", mesh),
             "jax": jax.__version__, "libtpu": libtpu_version(),
             "live": live, "live_gib": round(sum(live.values()) / GIB, 3),
             "programs": records, "compile_s": round(time.perf_counter() - t0, 1),
@@ -467,18 +523,14 @@ def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = No
             "not_compiled": [p.name for p in programs[len(records):]],
         }
 
-    from tppo_jax.parallel.mesh import decode_mesh
-
-    rollout_mesh = decode_mesh(mesh, cfg.mesh.decode_tensor) if cfg.mesh.decode_tensor else mesh
     for p in programs:
         if progress:
             progress(p.name)
-        # The training programs trace under the mesh, as splash attention needs to run per
-        # shard; the rollout's (a prefill attends over its own tokens) under the decode mesh;
-        # the eval decodes through its own engine.
-        ctx = {"rollout": rollout_mesh, "eval": None}.get(p.kind, mesh)
-        with jax.set_mesh(ctx) if ctx is not None else contextlib.nullcontext():
-            rec = compile_program(p, live, topo.hbm_bytes)
+        # Each program traces on its own mesh (the learner's and the engines', as a run
+        # builds them): its kernels are chosen for the topology's platform, nothing here.
+        rec = compile_program(p, live, topo.hbm_bytes,
+                              needs_paged=p.name.startswith("rollout_window")
+                              and facts["kv_cache"] == "paged")
         records.append(rec)
         if out:
             write_report(report(), out)
