@@ -18,9 +18,15 @@ Programs (names as ``benchmarks/cost_model.py``'s ``load_compiled`` reads them):
   ``rollout_window[l=l]``: one decode window of ``l`` tokens over every slot;
 - ``eval_prefill`` / ``eval_window``: the held-out eval's decode (its own dense engine).
 
-Per program, per chip: ``peak`` = arguments + outputs + temporaries - aliased (XLA's
-``memory_analysis()``), ``flops`` and ``bytes_accessed`` (``cost_analysis()``; a loop body
-counts once), compile seconds. The state live across programs (params, optimizer states, the
+Every program traces on its own mesh of the topology's abstract TPU devices, as the run's
+programs trace on the slice's (``kernels.choice.traced_on``): its kernels are chosen for the
+platform "tpu", never for this machine. Per program, per chip: ``kernels`` (the Mosaic
+kernels named in the lowered text, with their call counts; a paged decode window without the
+TPU paged-attention kernel is an error), ``peak`` = arguments + outputs + temporaries -
+aliased (XLA's ``memory_analysis()``), ``flops`` and ``bytes_accessed`` (``cost_analysis()``;
+a loop body counts once; a Pallas kernel counts as ~0 there), ``kernel_flops_analytic`` (the
+kernels' FLOPs from their operand shapes, ``kernel_calls``) and ``flops_incl_kernels`` (the
+sum), compile seconds. The state live across programs (params, optimizer states, the
 KV cache that unfinished rows keep through the update) is added where a program does not take
 it as an argument: ``resident`` = peak + the live state it does not hold, and the step fits
 when every program's ``resident`` is within the chip's HBM. A program the compiler refuses
