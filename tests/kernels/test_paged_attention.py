@@ -147,14 +147,15 @@ GEOMETRIES = [(14, 2, 64), (12, 2, 128), (40, 8, 128)]
 @pytest.mark.parametrize("hq,hkv,d", GEOMETRIES)
 def test_tpu_kernel_path_equals_the_reference_at_shipped_geometries(hq, hkv, d, monkeypatch):
     """The TPU path as a TPU runs it (groups padded to 8, the slots cut into chunks whose
-    page table fits SMEM, here forced to two chunks), in the Pallas TPU interpreter: equal to
-    the reference over ragged lengths, an empty slot and -1 page entries."""
+    page table fits SMEM, forced to two chunks at the first geometry), in the Pallas TPU
+    interpreter: equal to the reference over ragged lengths, an empty slot and -1 pages."""
     lengths = [0, 5, 12, 3]
     q, k, v, kp, vp, lens, table = make_case(7, lengths, hq, hkv, d, 3, 16)
     k, v, kp, vp = _bf16(k, v, kp, vp)
     assert (table == -1).any()
-    monkeypatch.setattr(pa, "SMEM_TABLE_BYTES", 4 * table.shape[1] * 2)  # 2 slots a call
-    assert pa.slot_chunks(len(lengths), table.shape[1]) == [(0, 2), (2, 4)]
+    if (hq, hkv, d) == GEOMETRIES[0]:  # (each interpreted call costs seconds)
+        monkeypatch.setattr(pa, "SMEM_TABLE_BYTES", 4 * table.shape[1] * 2)  # 2 slots a call
+        assert pa.slot_chunks(len(lengths), table.shape[1]) == [(0, 2), (2, 4)]
     got = pa.paged_attention(q, kp, vp, lens, table, impl="pallas", interpret=True)
     ref = pa.paged_attention(q, kp, vp, lens, table, impl="reference")
     np.testing.assert_allclose(got, ref, atol=2e-2)  # the kernel multiplies in bf16
