@@ -287,3 +287,15 @@ def test_compile_and_a_run_on_tpu_devices_choose_the_same_kernels():
     assert run == compiled
     assert "tppo_paged_attention" in run["rollout_window"]
     assert any("splash" in k for k in run["rollout_prefill"])
+
+
+def test_a_paged_decode_window_without_the_tpu_kernel_is_an_error():
+    """A decode window that lowers without the TPU paged-attention kernel (the jnp reference
+    a CPU would run) is not what a TPU runs: an error naming it, not a fit."""
+    from tppo_jax.compile import Program, compile_program
+    from tppo_jax.config import ConfigError
+
+    p = Program("rollout_window[l=1]", "rollout", lambda: jax.jit(lambda x: x + 1).lower(1.0))
+    with pytest.raises(ConfigError, match="no TPU paged-attention kernel"):
+        compile_program(p, {}, 1 << 30, needs_paged=True)
+    assert compile_program(p, {}, 1 << 30)["kernels"] == {}
