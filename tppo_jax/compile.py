@@ -25,12 +25,13 @@ kernels named in the lowered text, with their call counts; a paged decode window
 TPU paged-attention kernel is an error), ``peak`` = arguments + outputs + temporaries -
 aliased (XLA's ``memory_analysis()``), ``flops`` and ``bytes_accessed`` (``cost_analysis()``;
 a loop body counts once; a Pallas kernel counts as ~0 there), ``kernel_flops_analytic`` (the
-kernels' FLOPs from their operand shapes, ``kernel_calls``) and ``flops_incl_kernels`` (the
-sum), compile seconds. The state live across programs (params, optimizer states, the
-KV cache that unfinished rows keep through the update) is added where a program does not take
-it as an argument: ``resident`` = peak + the live state it does not hold, and the step fits
-when every program's ``resident`` is within the chip's HBM. A program the compiler refuses
-(RESOURCE_EXHAUSTED) does not fit, with the shortfall the compiler names.
+kernels' FLOPs from their operand shapes, ``kernels.choice.kernel_calls``) and
+``flops_incl_kernels`` (the sum), compile seconds. The state live across programs (params,
+optimizer states, the KV cache that unfinished rows keep through the update) is added where a
+program does not take it as an argument: ``resident`` = peak + the live state it does not
+hold, and the step fits when every program's ``resident`` is within the chip's HBM. A program
+the compiler refuses (RESOURCE_EXHAUSTED) does not fit, with the shortfall the compiler
+names.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tppo_jax.buckets import bucket_width, width_buckets
 from tppo_jax.config import Config, ConfigError, validate
-from tppo_jax.kernels.choice import kernels_for
+from tppo_jax.kernels.choice import kernel_calls, kernels_for
 from tppo_jax.launch import GIB
 from tppo_jax.platform import Topology, TopologyError, abstract_devices, libtpu_version
 
@@ -401,46 +402,6 @@ def _cost(compiled: Any) -> dict[str, float]:
     c = c[0] if isinstance(c, list | tuple) else (c or {})
     return {"flops": float(c.get("flops", 0.0)),
             "bytes_accessed": float(c.get("bytes accessed", 0.0))}
-
-
-_CALL = re.compile(r'kernel_name = "([^"]+)"')
-_SIG = re.compile(r" : \(([^()]*)\) -> ")
-_TENSOR = re.compile(r"tensor<([0-9x]+)x(bf16|f16|f32)>")
-# Matmuls of [rows, S] x [S, D] each kernel runs per query row: forward QK and PV; the
-# backward's dq recomputes QK, then dO V and dS K; its dkv QK, dO V, P^T dO and dS^T Q.
-_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
-
-
-def kernel_calls(text: str) -> list[dict[str, Any]]:
-    """The Mosaic kernels (``tpu_custom_call``) in a lowered program's text: per call its
-    name and analytic FLOPs, which XLA's cost analysis cannot see (it counts a custom call
-    as ~0). From the operand shapes (per shard: a ``shard_map`` body has local shapes): q
-    ``[..., D]`` (rows = all but D) and the keys; splash ``S`` = the key length, causal (half
-    the ``T x S`` blocks); paged attention ``S`` = pages per slot x page size, every slot at
-    its full length (an upper bound). Like ``cost_analysis``, a loop body counts once."""
-    calls = []
-    for line in text.splitlines():
-        if "tpu_custom_call" not in line:
-            continue
-        m, sig = _CALL.search(line), _SIG.search(line[line.rfind(" : ("):])
-        name = m.group(1) if m else "tpu_custom_call"
-        floats = [tuple(int(x) for x in t.split("x")) for t, _ in
-                  _TENSOR.findall(sig.group(1))] if sig else []
-        flops = 0.0
-        if len(floats) >= 2:
-            q, k = floats[0], floats[1]
-            rows, d = math.prod(q[:-1]), q[-1]
-            if "paged" in name:
-                ints = [tuple(int(x) for x in t.split("x")) for t in
-                        re.findall(r"tensor<([0-9x]+)xi32>", sig.group(1))]
-                table = ints[1] if len(ints) > 1 else (0,)
-                s_len = (math.prod(table) // max(1, q[0])) * k[-2]
-                flops = 2.0 * 2 * rows * s_len * d
-            else:
-                kind = next((u for u in ("dkv", "dq") if f"_{u}" in name), "fwd")
-                flops = 2.0 * _MATMULS[kind] * rows * k[-2] * d / 2
-        calls.append({"name": name, "flops": flops})
-    return calls
 
 
 def _kernel_summary(lowered: Any) -> dict[str, Any]:

@@ -224,7 +224,7 @@ QWEN05_HEADS = [*SMALL, "model.hidden_size=896", "model.num_heads=14", "model.nu
 
 
 def _kernel_names(lowered) -> set[str]:
-    from tppo_jax.compile import kernel_calls
+    from tppo_jax.kernels.choice import kernel_calls
 
     return {c["name"] for c in kernel_calls(lowered.as_text())}
 

@@ -9,6 +9,7 @@ to run a Mosaic kernel per shard (``shard_map`` over it: the partitioner cannot 
 So ``tppo plan --compile`` (abstract TPU devices, any host) and a run on a TPU slice resolve
 the same kernels through the same functions here (``choose_attention``, ``choose_paged``,
 ``kernels_for``). A program traced on no mesh runs on jax's default device: its platform.
+``kernel_calls`` reads the Mosaic kernels (and their analytic FLOPs) off a lowered program.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -139,3 +142,43 @@ def kernels_for(platform: str, mesh: Any, attention: str = "auto", paged: str = 
     return {"attention": choose_attention(attention, platform, mesh, 1 << 12, 1 << 12,
                                           cudnn_applies=True),
             "paged_attention": choose_paged(paged, platform)}
+
+
+_CALL = re.compile(r'kernel_name = "([^"]+)"')
+_SIG = re.compile(r" : \(([^()]*)\) -> ")
+_TENSOR = re.compile(r"tensor<([0-9x]+)x(bf16|f16|f32)>")
+# Matmuls of [rows, S] x [S, D] each kernel runs per query row: forward QK and PV; the
+# backward's dq recomputes QK, then dO V and dS K; its dkv QK, dO V, P^T dO and dS^T Q.
+_MATMULS = {"fwd": 2, "dq": 3, "dkv": 4}
+
+
+def kernel_calls(text: str) -> list[dict[str, Any]]:
+    """The Mosaic kernels (``tpu_custom_call``) in a lowered program's text: per call its
+    name and analytic FLOPs, which XLA's cost analysis cannot see (it counts a custom call
+    as ~0). From the operand shapes (per shard: a ``shard_map`` body has local shapes): q
+    ``[..., D]`` (rows = all but D) and the keys; splash ``S`` = the key length, causal (half
+    the ``T x S`` blocks); paged attention ``S`` = pages per slot x page size, every slot at
+    its full length (an upper bound). Like ``cost_analysis``, a loop body counts once."""
+    calls = []
+    for line in text.splitlines():
+        if "tpu_custom_call" not in line:
+            continue
+        m, sig = _CALL.search(line), _SIG.search(line[line.rfind(" : ("):])
+        name = m.group(1) if m else "tpu_custom_call"
+        floats = [tuple(int(x) for x in t.split("x")) for t, _ in
+                  _TENSOR.findall(sig.group(1))] if sig else []
+        flops = 0.0
+        if len(floats) >= 2:
+            q, k = floats[0], floats[1]
+            rows, d = math.prod(q[:-1]), q[-1]
+            if "paged" in name:
+                ints = [tuple(int(x) for x in t.split("x")) for t in
+                        re.findall(r"tensor<([0-9x]+)xi32>", sig.group(1))]
+                table = ints[1] if len(ints) > 1 else (0,)
+                s_len = (math.prod(table) // max(1, q[0])) * k[-2]
+                flops = 2.0 * 2 * rows * s_len * d
+            else:
+                kind = next((u for u in ("dkv", "dq") if f"_{u}" in name), "fwd")
+                flops = 2.0 * _MATMULS[kind] * rows * k[-2] * d / 2
+        calls.append({"name": name, "flops": flops})
+    return calls
