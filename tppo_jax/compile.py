@@ -18,18 +18,24 @@ Programs (names as ``benchmarks/cost_model.py``'s ``load_compiled`` reads them):
   ``rollout_window[l=l]``: one decode window of ``l`` tokens over every slot;
 - ``eval_prefill`` / ``eval_window``: the held-out eval's decode (its own dense engine).
 
-Per program, per chip: ``peak`` = arguments + outputs + temporaries - aliased (XLA's
-``memory_analysis()``), ``flops`` and ``bytes_accessed`` (``cost_analysis()``; a loop body
-counts once), compile seconds. The state live across programs (params, optimizer states, the
-KV cache that unfinished rows keep through the update) is added where a program does not take
-it as an argument: ``resident`` = peak + the live state it does not hold, and the step fits
-when every program's ``resident`` is within the chip's HBM. A program the compiler refuses
-(RESOURCE_EXHAUSTED) does not fit, with the shortfall the compiler names.
+Every program traces on its own mesh of the topology's abstract TPU devices, as the run's
+programs trace on the slice's (``kernels.choice.traced_on``): its kernels are chosen for the
+platform "tpu", never for this machine. Per program, per chip: ``kernels`` (the Mosaic
+kernels named in the lowered text, with their call counts; a paged decode window without the
+TPU paged-attention kernel is an error), ``peak`` = arguments + outputs + temporaries -
+aliased (XLA's ``memory_analysis()``), ``flops`` and ``bytes_accessed`` (``cost_analysis()``;
+a loop body counts once; a Pallas kernel counts as ~0 there), ``kernel_flops_analytic`` (the
+kernels' FLOPs from their operand shapes, ``kernels.choice.kernel_calls``) and
+``flops_incl_kernels`` (the sum), compile seconds. The state live across programs (params,
+optimizer states, the KV cache that unfinished rows keep through the update) is added where a
+program does not take it as an argument: ``resident`` = peak + the live state it does not
+hold, and the step fits when every program's ``resident`` is within the chip's HBM. A program
+the compiler refuses (RESOURCE_EXHAUSTED) does not fit, with the shortfall the compiler
+names.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import math
@@ -47,6 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tppo_jax.buckets import bucket_width, width_buckets
 from tppo_jax.config import Config, ConfigError, validate
+from tppo_jax.kernels.choice import kernel_calls, kernels_for
 from tppo_jax.launch import GIB
 from tppo_jax.platform import Topology, TopologyError, abstract_devices, libtpu_version
 
@@ -121,9 +128,9 @@ def model_config(cfg: Config, unroll_layers: bool = False, layers: int | None = 
     a = resolve_arch(cfg)
     m = cfg.model
     remat = m.remat or m.source == "tiny"
-    # The target is a TPU: ``auto`` is splash there (traced under the mesh, see below)
-    attention = "splash" if m.attention == "auto" else m.attention
-    mc = a.model_config(dtype=m.dtype, remat=remat, attention=attention,
+    # ``auto`` stays: each program resolves it for its mesh's platform (``kernels.choice``),
+    # the topology's TPU here as on the slice
+    mc = a.model_config(dtype=m.dtype, remat=remat, attention=m.attention,
                         unroll_layers=unroll_layers,
                         max_position_embeddings=max(m.max_seq_len, cfg.rollout.max_prompt_len
                                                     + cfg.rollout.max_response_len))
@@ -397,13 +404,28 @@ def _cost(compiled: Any) -> dict[str, float]:
             "bytes_accessed": float(c.get("bytes accessed", 0.0))}
 
 
-def compile_program(p: Program, live: dict[str, int], hbm: int) -> dict[str, Any]:
-    """Compiles ``p`` with the TPU compiler; its record (see the module docstring)."""
+def _kernel_summary(lowered: Any) -> dict[str, Any]:
+    calls = kernel_calls(lowered.as_text())
+    names = sorted({c["name"] for c in calls})
+    return {"kernels": {n: sum(c["name"] == n for c in calls) for n in names},
+            "kernel_flops_analytic": sum(c["flops"] for c in calls)}
+
+
+def compile_program(p: Program, live: dict[str, int], hbm: int, needs_paged: bool = False
+                    ) -> dict[str, Any]:
+    """Compiles ``p`` with the TPU compiler; its record (see the module docstring).
+    ``needs_paged``: ``p`` is a paged decode window, which must hold a TPU paged-attention
+    kernel (without one it is not what a TPU runs: an error, not a fit)."""
     rec: dict[str, Any] = {"name": p.name, "kind": p.kind, **p.meta}
     others = sum(v for k, v in live.items() if k not in p.holds)
     t0 = time.perf_counter()
     try:
-        compiled = p.lower().compile()
+        lowered = p.lower()
+        rec.update(_kernel_summary(lowered))
+        if needs_paged and not any("paged" in n for n in rec["kernels"]):
+            raise ConfigError(f"{p.name}: no TPU paged-attention kernel in the lowered decode "
+                              f"window (kernels: {sorted(rec['kernels']) or 'none'})")
+        compiled = lowered.compile()
     except Exception as e:  # the compiler's errors are XlaRuntimeError / ValueError
         oom = _oom_message(e)
         if oom is None:
@@ -421,6 +443,7 @@ def compile_program(p: Program, live: dict[str, int], hbm: int) -> dict[str, Any
                peak=peak, live_outside=others, resident=resident,
                peak_gib=round(peak / GIB, 3), resident_gib=round(resident / GIB, 3),
                fits_alone=peak <= hbm, fits=resident <= hbm, **_cost(compiled))
+    rec["flops_incl_kernels"] = rec["flops"] + rec["kernel_flops_analytic"]
     return rec
 
 
@@ -457,7 +480,7 @@ def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = No
             "chips": topo.chips, "hosts": topo.hosts, "hbm_per_chip": topo.hbm_bytes,
             "hbm_gib": round(topo.hbm_bytes / GIB, 2), "mesh": sizes,
             "model": models_summary(cfg, unroll_layers, layers), **facts,
-            "attention": model_config(cfg).attention,
+            "attention": model_config(cfg).attention, "kernels": kernels_for("tpu", mesh),
             "jax": jax.__version__, "libtpu": libtpu_version(),
             "live": live, "live_gib": round(sum(live.values()) / GIB, 3),
             "programs": records, "compile_s": round(time.perf_counter() - t0, 1),
@@ -467,18 +490,14 @@ def compile_plan(cfg: Config, topo: Topology, *, only: Sequence[str] | None = No
             "not_compiled": [p.name for p in programs[len(records):]],
         }
 
-    from tppo_jax.parallel.mesh import decode_mesh
-
-    rollout_mesh = decode_mesh(mesh, cfg.mesh.decode_tensor) if cfg.mesh.decode_tensor else mesh
     for p in programs:
         if progress:
             progress(p.name)
-        # The training programs trace under the mesh, as splash attention needs to run per
-        # shard; the rollout's (a prefill attends over its own tokens) under the decode mesh;
-        # the eval decodes through its own engine.
-        ctx = {"rollout": rollout_mesh, "eval": None}.get(p.kind, mesh)
-        with jax.set_mesh(ctx) if ctx is not None else contextlib.nullcontext():
-            rec = compile_program(p, live, topo.hbm_bytes)
+        # Each program traces on its own mesh (the learner's and the engines', as a run
+        # builds them): its kernels are chosen for the topology's platform, nothing here.
+        rec = compile_program(p, live, topo.hbm_bytes,
+                              needs_paged=p.name.startswith("rollout_window")
+                              and facts["kv_cache"] == "paged")
         records.append(rec)
         if out:
             write_report(report(), out)

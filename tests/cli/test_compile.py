@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from tppo_jax import cli
@@ -69,6 +71,14 @@ def test_smoke_programs_compile_and_fit(tmp_path, capsys):
                                  - p["aliased"])
         assert p["resident"] == p["peak"] + p["live_outside"] <= rep["hbm_per_chip"]
         assert p["flops"] > 0 and p["bytes_accessed"] > 0
+    # what runs on a TPU: splash in training and prefill, the paged kernel in the window,
+    # their FLOPs (invisible to XLA's cost analysis) counted analytically
+    assert rep["kernels"] == {"attention": "splash", "paged_attention": "pallas_tpu"}
+    for p in rep["programs"]:
+        want = "tppo_paged_attention" if p["name"].startswith("rollout_window") else "splash"
+        assert any(want in k for k in p["kernels"]), (p["name"], p["kernels"])
+        assert p["flops_incl_kernels"] == p["flops"] + p["kernel_flops_analytic"]
+        assert p["kernel_flops_analytic"] > 0
     # a wider group does more work; the update takes the policy's params as an argument
     assert rep["programs"][0]["flops"] < rep["programs"][1]["flops"]
     assert rep["programs"][0]["live_outside"] == sum(
@@ -206,3 +216,88 @@ def test_a_critic_sharing_the_lora_base_counts_only_its_own_leaves(devices8):
     head = live[0]["value_params"] - live[0]["policy_params"]
     adapters = live[4]["policy_params"] - live[0]["policy_params"]
     assert 0 < head < 100 and live[4]["value_params"] == adapters + head
+
+
+# The Qwen2.5-0.5B attention geometry (14 query heads over 2 KV heads, head_dim 64: groups of
+# 7) on the tiny model: one bf16 layer, a paged pool.
+QWEN05_HEADS = [*SMALL, "model.hidden_size=896", "model.num_heads=14", "model.num_kv_heads=2",
+                "model.num_layers=1", "model.intermediate_size=256", "model.dtype=bfloat16",
+                "rollout.kv_cache=paged"]
+
+
+def _kernel_names(lowered) -> set[str]:
+    from tppo_jax.kernels.choice import kernel_calls
+
+    return {c["name"] for c in kernel_calls(lowered.as_text())}
+
+
+@needs_libtpu
+@pytest.mark.slow  # ~15 s on 2 shared cores
+def test_tpu_decode_window_compiles_with_the_paged_kernel_at_05b_heads(tmp_path):
+    out = tmp_path / "window.json"
+    assert cli.main(["plan", "smoke", *QWEN05_HEADS, "--topology", "v5e:2x2", "--compile",
+                     "--programs", "rollout", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    prefill, window = rep["programs"]
+    assert window["name"].startswith("rollout_window") and window["compiled"]
+    assert "tppo_paged_attention" in window["kernels"] and window["fits"]
+    assert any("splash" in k for k in prefill["kernels"])
+
+
+@needs_libtpu
+@pytest.mark.slow  # ~10 s on 2 shared cores
+def test_compile_and_a_run_on_tpu_devices_choose_the_same_kernels():
+    """The programs ``tppo plan --compile`` lowers for a TPU topology and those the rollout
+    engine a run builds on TPU devices (``scheduler.make_engine`` on the run's mesh) name the
+    same kernels: both resolve them for their mesh's platform (``kernels.choice``), never for
+    the machine tracing them (this CPU)."""
+    from flax import nnx
+
+    from tppo_jax.compile import abstract_decode_state, abstract_models, build_programs
+    from tppo_jax.config import load_config
+    from tppo_jax.kernels.choice import kernels_for
+    from tppo_jax.learner.learner import batch_spec
+    from tppo_jax.parallel.mesh import make_mesh
+    from tppo_jax.plan import resolve_mesh
+    from tppo_jax.platform import abstract_devices
+    from tppo_jax.rollout.decode import SamplingParams
+    from tppo_jax.rollout.engine import EngineParams
+    from tppo_jax.rollout.scheduler import make_engine
+
+    cfg = load_config("smoke", QWEN05_HEADS)
+    devices = abstract_devices(parse_topology("v5e:2x2"))
+    mesh = make_mesh(resolve_mesh(cfg, len(devices)), devices)
+    programs, _, facts = build_programs(cfg, mesh, ["rollout"])
+    compiled = {p.name.split("[")[0]: _kernel_names(p.lower()) for p in programs}
+
+    policy = nnx.merge(*abstract_models(cfg, mesh)["policy"])
+    engine = make_engine(policy, cfg.rollout, eos_ids=(0,), sampling=SamplingParams(),
+                         mesh=mesh)
+    assert engine.platform == "tpu"
+    assert engine.kernels == kernels_for("tpu", mesh) == {"attention": "splash",
+                                                           "paged_attention": "pallas_tpu"}
+    ds = abstract_decode_state(engine, mesh)
+    ep = EngineParams(nnx.state(policy), jax.ShapeDtypeStruct((), jnp.int32))
+    b = cfg.rollout.slots
+    rows = batch_spec(mesh)
+    slot = lambda dt: jax.ShapeDtypeStruct((b,), dt, sharding=rows)  # noqa: E731
+    toks = jax.ShapeDtypeStruct((b, facts["widths"][0]), jnp.int32, sharding=rows)
+    run = {"rollout_prefill": _kernel_names(engine.lowered(
+               "prefill_slots", ep, ds, toks, slot(jnp.int32), slot(jnp.bool_))),
+           "rollout_window": _kernel_names(engine.lowered(
+               "generate_window", ds, ep, 16, slot(jnp.int32), slot(jnp.bool_)))}
+    assert run == compiled
+    assert "tppo_paged_attention" in run["rollout_window"]
+    assert any("splash" in k for k in run["rollout_prefill"])
+
+
+def test_a_paged_decode_window_without_the_tpu_kernel_is_an_error():
+    """A decode window that lowers without the TPU paged-attention kernel (the jnp reference
+    a CPU would run) is not what a TPU runs: an error naming it, not a fit."""
+    from tppo_jax.compile import Program, compile_program
+    from tppo_jax.config import ConfigError
+
+    p = Program("rollout_window[l=1]", "rollout", lambda: jax.jit(lambda x: x + 1).lower(1.0))
+    with pytest.raises(ConfigError, match="no TPU paged-attention kernel"):
+        compile_program(p, {}, 1 << 30, needs_paged=True)
+    assert compile_program(p, {}, 1 << 30)["kernels"] == {}

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh
 
 from tppo_jax.kernels.attention import (
     CausalMask,
@@ -72,9 +73,16 @@ def test_auto_on_cpu_is_the_dense_path_bit_for_bit_for_short_sequences():
                                   attention(q, k, v, mask, "dense"))
     long_q = jax.ShapeDtypeStruct((1, 2048, 2, 8), jnp.float32)
     assert resolve_impl("auto", long_q, long_q, mask, platform="cpu") == "chunked"
-    assert resolve_impl("auto", q, k, mask, platform="tpu") == "chunked"  # no mesh context
+    assert resolve_impl("auto", q, k, mask, platform="tpu") == "chunked"  # no program mesh
+    with attention_mesh(make_mesh({"data": 1}, devices=jax.devices()[:1])):
+        assert resolve_impl("auto", q, k, mask, platform="tpu") == "splash"  # one device
+    with attention_mesh(Mesh(np.asarray(jax.devices()[:2]), ("x",))):
+        # two devices not on the project's axes: splash could not be partitioned
+        assert resolve_impl("auto", q, k, mask, platform="tpu") == "chunked"
+        assert resolve_impl("splash", q, k, mask, platform="tpu") == "chunked"
     with jax.set_mesh(make_mesh({"data": 1}, devices=jax.devices()[:1])):
-        assert resolve_impl("auto", q, k, mask, platform="tpu") == "splash"
+        # jax's mesh context is not how kernels learn their mesh (``traced_on`` is)
+        assert resolve_impl("auto", q, k, mask, platform="tpu") == "chunked"
     assert resolve_impl("auto", q, k, mask, platform="gpu") == "chunked"  # float32: no cuDNN
     assert resolve_impl("auto", q.astype(jnp.bfloat16), k, mask, platform="gpu") == "cudnn"
 

@@ -131,3 +131,77 @@ def test_pallas_kernels_in_interpret_mode(impl):
     except (NotImplementedError, ImportError) as e:  # pragma: no cover - depends on jax build
         pytest.skip(f"{impl} cannot run in interpret mode on CPU: {e}")
     np.testing.assert_allclose(out, dense_attention(q, k, v, lens, 16**-0.5), atol=tol)
+
+
+def _bf16(*xs):
+    """bf16-representable float32 copies: the TPU kernel's input rounding is then exact."""
+    return (np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32) for x in xs)
+
+
+# The shipped models' decode geometries: Qwen2.5-0.5B (groups of 7, d64), 1.5B (6, d128),
+# 32B (5, d128); the kernel's query block needs groups padded to a multiple of 8.
+GEOMETRIES = [(14, 2, 64), (12, 2, 128), (40, 8, 128)]
+
+
+@pytest.mark.slow  # ~6 s a geometry: the Pallas interpreter traces each call
+@pytest.mark.parametrize("hq,hkv,d", GEOMETRIES)
+def test_tpu_kernel_path_equals_the_reference_at_shipped_geometries(hq, hkv, d, monkeypatch):
+    """The TPU path as a TPU runs it (groups padded to 8, the slots cut into chunks whose
+    page table fits SMEM, forced to two chunks at the first geometry), in the Pallas TPU
+    interpreter: equal to the reference over ragged lengths, an empty slot and -1 pages."""
+    lengths = [0, 5, 12, 3]
+    q, k, v, kp, vp, lens, table = make_case(7, lengths, hq, hkv, d, 3, 16)
+    k, v, kp, vp = _bf16(k, v, kp, vp)
+    assert (table == -1).any()
+    if (hq, hkv, d) == GEOMETRIES[0]:  # (each interpreted call costs seconds)
+        monkeypatch.setattr(pa, "SMEM_TABLE_BYTES", 4 * table.shape[1] * 2)  # 2 slots a call
+        assert pa.slot_chunks(len(lengths), table.shape[1]) == [(0, 2), (2, 4)]
+    got = pa.paged_attention(q, kp, vp, lens, table, impl="pallas", interpret=True)
+    ref = pa.paged_attention(q, kp, vp, lens, table, impl="reference")
+    np.testing.assert_allclose(got, ref, atol=2e-2)  # the kernel multiplies in bf16
+    np.testing.assert_allclose(got, dense_attention(q, k, v, lens, d**-0.5), atol=2e-2)
+    assert np.all(np.asarray(got)[0] == 0)
+
+
+@pytest.mark.slow  # ~6 s: one interpreted kernel per shard
+def test_tpu_kernel_runs_per_shard_on_a_mesh(devices8):
+    """On a multi-device program mesh (one host's pool, not split) the Mosaic kernel runs
+    per shard in ``shard_map`` (rows over data x fsdp, KV heads over tensor) and equals the
+    reference."""
+    from tppo_jax.parallel.mesh import make_mesh
+
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    q, k, v, kp, vp, lens, table = make_case(8, [9, 0, 4, 12], 14, 2, 64, 3, 16)
+    kp, vp = _bf16(kp, vp)
+
+    def fn(*a):
+        return pa.paged_attention(*a, impl="pallas_tpu", interpret=True, mesh=mesh)
+
+    assert "shard_map" in str(jax.make_jaxpr(fn)(q, kp, vp, lens, table))
+    got = jax.jit(fn)(q, kp, vp, lens, table)
+    ref = pa.paged_attention(q, kp, vp, lens, table, impl="reference")
+    np.testing.assert_allclose(got, ref, atol=2e-2)
+
+
+def test_slot_chunks_fit_smem_at_paper_scale():
+    """256 slots x 1664 pages of page table (1.7 MB) would overflow the 1 MiB SMEM in one
+    call: the chunks cover every slot once, each table within ``SMEM_TABLE_BYTES``."""
+    chunks = pa.slot_chunks(256, 1664)
+    assert chunks[0][0] == 0 and chunks[-1][1] == 256 and len(chunks) > 1
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
+    assert all((hi - lo) * 1664 * 4 <= pa.SMEM_TABLE_BYTES for lo, hi in chunks)
+    assert pa.slot_chunks(8, 16) == [(0, 8)]
+
+
+def test_the_paged_kernel_is_chosen_for_the_platform_not_this_machine():
+    """"auto" is the program's platform's kernel: the TPU kernel for a TPU program traced
+    on this CPU machine, the reference for a CPU one."""
+    from tppo_jax.kernels.choice import choose_paged
+
+    assert choose_paged("auto", "tpu") == "pallas_tpu"
+    assert choose_paged("auto", "gpu") == "pallas_gpu"
+    assert choose_paged("auto", "cpu") == "reference"
+    assert choose_paged("pallas", "cpu", interpret=True) == "pallas_tpu"
+    assert pa.resolve_impl("auto", platform="tpu") == "pallas_tpu"
+    with pytest.raises(ValueError, match="paged attention impl"):
+        choose_paged("flash", "tpu")

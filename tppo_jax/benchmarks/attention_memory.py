@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from tppo_jax.kernels.choice import traced_on
 from tppo_jax.models.transformer import Backbone, param_shardings
 from tppo_jax.parallel.mesh import make_mesh
 from tppo_jax.plan import ARCHITECTURES
@@ -57,8 +58,8 @@ def compile_grad(impl: str, layers: int, seq: int, batch: int, devices: list) ->
         return jnp.sum(hidden.astype(jnp.float32) * mask[..., None])
 
     start = time.time()
-    with jax.set_mesh(mesh):
-        compiled = jax.jit(jax.grad(loss)).lower(params, tokens, mask).compile()
+    # traced on the mesh: splash runs per shard (``kernels.choice.traced_on``)
+    compiled = jax.jit(traced_on(jax.grad(loss), mesh)).lower(params, tokens, mask).compile()
     mem = compiled.memory_analysis()
     return {"impl": impl, "temp_gib": mem.temp_size_in_bytes / GIB,
             "argument_gib": mem.argument_size_in_bytes / GIB,

@@ -20,22 +20,19 @@ row) gets a uniform softmax over every key instead of NaNs, as ``MASK_VALUE`` gi
              ids, so every real query sees exactly the keys "dense" gives it.
   "cudnn"    ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, bf16/fp16, no
              query offset); padding as ``key_value_seq_lengths``, i.e. right padding only.
-  "auto"     splash on TPU under a mesh context (``jax.set_mesh``, or ``traced_on``: the
-             learner's and the rollout prefill's programs trace on their mesh; chunked
-             without one),
-             cudnn on GPU where it applies (chunked otherwise), and on CPU dense while
-             ``T * S <= AUTO_DENSE_MAX`` (small shapes stay bit-identical to the dense path)
-             and chunked beyond.
+  "auto"     ``choice.choose_attention`` for the platform of the program's mesh
+             (``choice.traced_on``: the learner's steps and the engine's prefill trace on
+             theirs): splash on TPU where it can run (one device, or per shard on a project
+             mesh; chunked otherwise), cudnn on GPU where it applies (chunked otherwise), and
+             on CPU dense while ``T * S <= AUTO_DENSE_MAX`` (small shapes stay bit-identical
+             to the dense path) and chunked beyond.
 Softmax statistics are float32 in every implementation; "splash" scales q before the kernel
 (the kernel applies no scale).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
 
 import jax
@@ -43,7 +40,21 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec
 
-from tppo_jax.parallel.mesh import MESH_AXES, named_sharding
+from tppo_jax.kernels.choice import (
+    AUTO_DENSE_MAX,
+    choose_attention,
+    current_mesh,
+    is_project_mesh,
+    platform_of,
+    program_mesh,
+    traced_on,
+)
+from tppo_jax.parallel.mesh import named_sharding
+
+# ``program_mesh`` under its former name; ``traced_on`` where the learner imports it.
+attention_mesh = program_mesh
+__all__ = ["AUTO_DENSE_MAX", "CausalMask", "attention", "attention_mesh", "gqa_attention",
+           "kernel_mesh", "resolve_impl", "traced_on", "under_project_mesh"]
 
 Impl = Literal["auto", "dense", "chunked", "splash", "cudnn"]
 IMPLS: tuple[str, ...] = get_args(Impl)
@@ -51,9 +62,6 @@ IMPLS: tuple[str, ...] = get_args(Impl)
 # A large finite negative instead of -inf: a query whose keys are all masked (padding rows)
 # then gets a uniform softmax instead of NaNs that would poison gradients through `where`.
 MASK_VALUE = -1e30
-
-# "auto" on CPU keeps the dense path up to this many score entries per (row, head).
-AUTO_DENSE_MAX = 1024 * 1024
 
 DEFAULT_BLOCK = 512
 
@@ -115,20 +123,11 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
 
 def resolve_impl(impl: str, q: jax.Array, k: jax.Array, mask: CausalMask,
                  platform: str | None = None) -> str:
-    """The concrete implementation ``impl`` stands for on ``platform`` (default: jax's)."""
-    if impl not in IMPLS:
-        raise ValueError(f"attention impl {impl!r}; expected one of {', '.join(IMPLS)}")
-    if impl != "auto":
-        return impl
-    platform = platform or jax.default_backend()
-    if platform == "tpu":
-        # without a mesh context a multi-chip program could not partition the kernel
-        return "splash" if under_project_mesh() else "chunked"
-    if platform in ("gpu", "cuda", "rocm") and _cudnn_applies(q, mask):
-        return "cudnn"
-    if platform == "cpu" and q.shape[1] * k.shape[1] <= AUTO_DENSE_MAX:
-        return "dense"
-    return "chunked"
+    """The concrete implementation ``impl`` stands for in the program being traced
+    (``choice.choose_attention`` on its mesh; ``platform``: that mesh's unless given)."""
+    mesh = current_mesh()
+    return choose_attention(impl, platform or platform_of(mesh), mesh, q.shape[1], k.shape[1],
+                            _cudnn_applies(q, mask))
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: CausalMask,
@@ -267,48 +266,14 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 # -------------------------------------------------------------------------------- splash
 
 
-# The mesh the program being traced runs on, for the attention kernels alone (``traced_on``).
-_KERNEL_MESH: contextvars.ContextVar[Any] = contextvars.ContextVar("attention_mesh",
-                                                                   default=None)
-
-
-@contextlib.contextmanager
-def attention_mesh(mesh: Any) -> Iterator[None]:
-    """Tells the attention kernels traced inside that the program runs on ``mesh`` (a
-    ``jax.sharding.Mesh``): "auto" is then splash on TPU, run per shard in ``shard_map``.
-    Unlike ``jax.set_mesh`` it changes nothing else about tracing (no other op sees it)."""
-    token = _KERNEL_MESH.set(mesh)
-    try:
-        yield
-    finally:
-        _KERNEL_MESH.reset(token)
-
-
-def traced_on(fn: Callable, mesh: Any) -> Callable:
-    """``fn`` whose body runs under ``attention_mesh(mesh)``: jitted, it traces with the
-    attention kernels told its mesh (``fn`` itself when ``mesh`` is None)."""
-    if mesh is None:
-        return fn
-
-    @functools.wraps(fn)
-    def on_mesh(*args: Any, **kwargs: Any) -> Any:
-        with attention_mesh(mesh):
-            return fn(*args, **kwargs)
-
-    return on_mesh
-
-
 def kernel_mesh() -> Any:
-    """The mesh of ``jax.set_mesh`` when set, else of ``attention_mesh``, else None."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return mesh if not mesh.empty else _KERNEL_MESH.get()
+    """The mesh of the program being traced (``choice.traced_on``), or None."""
+    return current_mesh()
 
 
 def under_project_mesh() -> bool:
-    """Whether tracing runs on a (data, fsdp, tensor) mesh (``jax.set_mesh`` or
-    ``attention_mesh``)."""
-    mesh = kernel_mesh()
-    return mesh is not None and set(MESH_AXES) <= set(mesh.axis_names)
+    """Whether tracing runs on a (data, fsdp, tensor) mesh (``choice.traced_on``)."""
+    return is_project_mesh(current_mesh())
 
 
 def _splash(q, k, v, mask: CausalMask, block_size: int, interpret: bool) -> jax.Array:

@@ -244,10 +244,9 @@ class Attention(nnx.Module):
         stores their k/v: no ``[B, T, max_len]`` scores over the cache's full length."""
         q, k, v = self._qkv(x, positions, inv_freq)
         if prefill:
-            # splash runs per shard on the program's mesh (``kernels.attention.traced_on``);
-            # without one a multi-chip program could not partition it: chunked
-            impl = "chunked" if self.impl == "splash" and not under_project_mesh() else self.impl
-            out = attention(q, k, v, CausalMask.from_attention_mask(valid), impl)
+            # the kernel is chosen for the program's mesh (``kernels.choice.traced_on``: the
+            # engine traces its prefill on it), as the learner's steps choose theirs
+            out = attention(q, k, v, CausalMask.from_attention_mask(valid), self.impl)
             return project(self, "o", out), cache.write(layer_idx, k, v, positions, valid)
         out, cache = cache.update_and_attend(layer_idx, q, k, v, positions, valid)
         return project(self, "o", out), cache

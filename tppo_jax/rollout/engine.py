@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import Mesh
 
-from tppo_jax.kernels.attention import traced_on
+from tppo_jax.kernels.choice import kernels_for, platform_of, traced_on
 from tppo_jax.parallel.multihost import host_to_global
 from tppo_jax.rollout import kv_slots
 from tppo_jax.rollout import pages as pg
@@ -137,13 +137,19 @@ class DecodeEngine:
       mesh: lay the cache out on it: a dense cache's slots over the batch axes, a paged pool
         cut into one block of slots and pages per batch shard (``paged_cache.PoolSplit``);
         ``put_rows`` places this host's per-slot rows on it.
+      attn_impl: the paged decode kernel (``kernels.choice.choose_paged``; "auto": the
+        Pallas kernel of the program mesh's platform, the reference on CPU).
+      program_mesh: the mesh the engine's programs run on (the policy's; default ``mesh``,
+        else one default device): the kernels are chosen for its platform (``kernels``) and
+        run per shard on it, also when the cache itself is not laid out on it.
     """
 
     def __init__(self, model: nnx.Module, *, eos_ids: Sequence[int], kv_cache: str,
                  max_slots: int = 8, max_target_length: int = 512, max_new_tokens: int = 0,
                  page_size: int = 16, num_pages: int = 0,
                  sampling: SamplingParams | None = None, seed: int = 0,
-                 mesh: Mesh | None = None, attn_impl: str = "auto") -> None:
+                 mesh: Mesh | None = None, attn_impl: str = "auto",
+                 program_mesh: Mesh | None = None) -> None:
         if kv_cache not in ("paged", "dense", "auto"):
             raise ValueError(f"kv_cache must be 'paged', 'dense' or 'auto', got {kv_cache!r}")
         kv_cache = kv_slots.resolve_kind(kv_cache)
@@ -157,22 +163,29 @@ class DecodeEngine:
         self.max_target_length = max_target_length
         self.max_new_tokens = max_new_tokens or max_target_length
         self.num_pages = num_pages or max_slots * (max_target_length // page_size)
-        self._slots, self._seed, self._impl = max_slots, seed, attn_impl
+        self._slots, self._seed = max_slots, seed
         self._cache_mesh = mesh
         self._mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), ("data",))
+        # Every program that attends is traced on the mesh it runs on: its kernels are chosen
+        # for that mesh's platform and run per shard on it (``kernels.choice``), here as in
+        # ``tppo plan --compile`` (abstract TPU devices) and on a TPU slice alike.
+        self._program_mesh = program_mesh or self._mesh
+        self.platform = platform_of(self._program_mesh)
+        self.kernels = kernels_for(self.platform, self._program_mesh, model.config.attention,
+                                   attn_impl)
         self._graphdef, self._init_state = nnx.split(model)
         self.version = 0
         self._next_seq = 0
-        # The prefills attend with the training attention: traced on the mesh (splash on TPU)
-        self._prefill_fn = jax.jit(traced_on(self._prefill_impl, mesh))
+        on_mesh = lambda fn: traced_on(fn, self._program_mesh)  # noqa: E731
+        self._prefill_fn = jax.jit(on_mesh(self._prefill_impl))
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=0)
-        self._prefill_slots_fn = jax.jit(traced_on(self._prefill_slots_impl, mesh),
-                                         donate_argnums=1)
+        self._prefill_slots_fn = jax.jit(on_mesh(self._prefill_slots_impl), donate_argnums=1)
         self._share_fn = jax.jit(self._share_impl, donate_argnums=0)
         self._share_rows_fn = jax.jit(self._share_rows_impl, donate_argnums=0)
         self._place_fn = jax.jit(self._place_impl, donate_argnums=0)
-        self._window_fn = jax.jit(self._window_impl, static_argnums=2, donate_argnums=0)
-        self._step_fn = jax.jit(self._step_impl, donate_argnums=0)
+        self._window_fn = jax.jit(on_mesh(self._window_impl), static_argnums=2,
+                                  donate_argnums=0)
+        self._step_fn = jax.jit(on_mesh(self._step_impl), donate_argnums=0)
         self._free_fn = jax.jit(lambda ds, m: ds.replace(cache=kv_slots.free(ds.cache, m),
                                                          live=ds.live & ~m))
 
@@ -231,7 +244,8 @@ class DecodeEngine:
         s = self._slots
         cache = kv_slots.new_cache(self.config, s, self.max_target_length, kind=self.kv_cache,
                                    page_size=self.page_size, num_pages=self.num_pages,
-                                   mesh=self._cache_mesh, attn_impl=self._impl,
+                                   mesh=self._cache_mesh,
+                                   attn_impl=self.kernels["paged_attention"],
                                    split_pages=True)
         zeros = lambda: jnp.zeros(s, jnp.int32)  # noqa: E731  (distinct buffers: donated)
         return DecodeState(cache=cache, next_token=zeros(), position=zeros(), generated=zeros(),

@@ -34,6 +34,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tppo_jax.kernels.choice import current_mesh
 from tppo_jax.kernels.paged_attention import paged_attention, paged_attention_prefill
 from tppo_jax.parallel.mesh import batch_sharding
 from tppo_jax.rollout import pages as pg
@@ -144,9 +145,10 @@ class PagedKVCache:
         valid = valid.astype(bool)
         layer_idx = jnp.asarray(layer_idx, jnp.int32)
         if self.split is None:
+            # one pool: a Pallas kernel runs per shard of the program's mesh
             out, pages, k_all, v_all = _write_and_attend(
                 self.impl, self.pages, self.k, self.v, self.slots, q, k, v, positions, valid,
-                layer_idx)
+                layer_idx, current_mesh())
             return out, self.replace(pages=pages, k=k_all, v=v_all)
         sp = self.split
         if q.shape[0] != self.pages.num_slots:
@@ -203,11 +205,13 @@ def _write(pages: pg.PageState, k_pool: Array, v_pool: Array, slots: Array, k: A
 
 def _write_and_attend(impl: str, pages: pg.PageState, k_pool: Array, v_pool: Array,
                       slots: Array, q: Array, k: Array, v: Array, positions: Array,
-                      valid: Array, layer_idx: Array
+                      valid: Array, layer_idx: Array, mesh: Any = None
                       ) -> tuple[Array, pg.PageState, Array, Array]:
     """One layer on one pool: scatter ``k, v [B,T,Hkv,D]`` into ``k_pool, v_pool
     [L,Hkv,N,ps,D]`` at the rows' slots (``[B]``, ids into ``pages``) and attend with ``q
-    [B,T,Hq,D]``. Returns ``(out [B,T,Hq,D], pages, k_pool, v_pool)``."""
+    [B,T,Hq,D]``. ``mesh``: the program's, when this is not already one block of a split
+    pool (the decode kernel then runs per shard on it). Returns ``(out [B,T,Hq,D], pages,
+    k_pool, v_pool)``."""
     pages, k_all, v_all = _write(pages, k_pool, v_pool, slots, k, v, positions, valid,
                                  layer_idx)
     kp, vp = k_all[layer_idx], v_all[layer_idx]
@@ -216,7 +220,7 @@ def _write_and_attend(impl: str, pages: pg.PageState, k_pool: Array, v_pool: Arr
         # Decode: the query at position p sees exactly [0, p] (its own causal limit, even
         # if the slot holds more, e.g. when a prefix is recomputed).
         q_len = jnp.where(valid[:, 0], positions[:, 0] + 1, lengths)
-        out = paged_attention(q[:, 0], kp, vp, q_len, table, impl=impl)[:, None]
+        out = paged_attention(q[:, 0], kp, vp, q_len, table, impl=impl, mesh=mesh)[:, None]
     else:
         q_pos = jnp.where(valid, positions, -1)
         out = paged_attention_prefill(q, kp, vp, lengths, table, q_pos)

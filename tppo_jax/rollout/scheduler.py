@@ -117,9 +117,10 @@ def make_engine(model: nnx.Module, rollout: RolloutConfig, *, eos_ids: tuple[int
     """The rollout's ``DecodeEngine`` for ``rollout``: ``slots`` slots of prompt + L
     positions; a dense cache laid out on ``mesh``; a paged pool off it with one process, with
     several split into one block of slots and ``num_pages / blocks`` pages per batch shard
-    of ``mesh`` (each host's pages serve its own slots). ``split_pages``: split the paged
-    pool whatever the process count (the compile path's slice of many hosts; None: several
-    processes)."""
+    of ``mesh`` (each host's pages serve its own slots). Its programs run on ``mesh`` either
+    way (their kernels chosen for its platform, ``kernels.choice``). ``split_pages``: split
+    the paged pool whatever the process count (the compile path's slice of many hosts; None:
+    several processes)."""
     r = rollout
     kind = kv_slots.resolve_kind(r.kv_cache)
     split = jax.process_count() > 1 if split_pages is None else split_pages
@@ -128,7 +129,7 @@ def make_engine(model: nnx.Module, rollout: RolloutConfig, *, eos_ids: tuple[int
                         max_target_length=r.max_prompt_len + r.max_response_len,
                         max_new_tokens=r.max_response_len, kv_cache=kind,
                         page_size=r.page_size, num_pages=r.num_pages, sampling=sampling,
-                        seed=seed, mesh=mesh if on_mesh else None)
+                        seed=seed, mesh=mesh if on_mesh else None, program_mesh=mesh)
 
 
 class TruncatedRolloutScheduler:
