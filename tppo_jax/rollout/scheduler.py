@@ -183,6 +183,8 @@ class TruncatedRolloutScheduler:
         self.step_count = 0
         self._next_group = 0
         self.stats: dict[str, float] = {"slot_steps": 0.0, "useful_tokens": 0.0}
+        # This step's host-local counts (``step_metrics``; the trainer sums them over hosts).
+        self.step_stats: dict[str, float] = {}
         self._force_prefill = False
         self.pending: deque[int] = deque()
         self._idle_steps = 0  # steps in a row with no live row (nothing admitted or running)
@@ -239,8 +241,7 @@ class TruncatedRolloutScheduler:
             self.ds, ok = self.engine.share_prompts(self.ds, self._put(first), self._put(dst),
                                                     seq_ids)
             done |= dst & self._host_rows(ok)
-        self.stats["shared_prefills"] = self.stats.get("shared_prefills", 0.0) + float(
-            (done & ~src).sum())
+        self._count("shared_prefills", float((done & ~src).sum()))
         return done
 
     # ------------------------------------------------------------------ slot management
@@ -278,8 +279,7 @@ class TruncatedRolloutScheduler:
             need = kv_slots.pages_for(len(ids) - 1 + self.window, self.engine.page_size)
             if kv_slots.is_paged(self.ds.cache) and need > room[block]:
                 self.pending.appendleft(gid)  # pool short: admit fewer prompts; this one waits
-                self.stats["admissions_deferred"] = self.stats.get(
-                    "admissions_deferred", 0.0) + 1
+                self._count("admissions_deferred")
                 full[block] = True
                 if full.all():
                     break
@@ -346,6 +346,8 @@ class TruncatedRolloutScheduler:
         # Sharing needs the prompt's KV to stay fixed, so not with reprefill.
         if kv_slots.is_paged(self.ds.cache) and self.kv_policy == "keep" and self.G > 1:
             rows &= ~self._share_prompts(new_rows)
+        # Tokens prefilled again for rows already decoding (reprefill, or after a restore).
+        self._count("reprefill_tokens", float((st.total_len - 1)[rows & ~new_rows].sum()))
         if not rows.any() and jax.process_count() == 1:  # hosts must make the same calls
             return
         self.ds, ok = self._prefill_rows(rows)
@@ -363,9 +365,33 @@ class TruncatedRolloutScheduler:
         return self.engine.prefill_slots(self.params, self.ds, self._put(st.tokens[:, :width]),
                                          self._put(st.total_len), self._put(rows))
 
+    def _count(self, key: str, n: float = 1.0) -> None:
+        """Adds ``n`` to this step's ``key`` and to the run's total of it."""
+        self.step_stats[key] = self.step_stats.get(key, 0.0) + n
+        self.stats[key] = self.stats.get(key, 0.0) + n
+
+    def step_metrics(self) -> dict[str, float]:
+        """The last ``step()``'s host-local scheduler counts (the same keys on every host;
+        summed over hosts they are the step's): ``admitted`` (fresh samples),
+        ``admissions_deferred`` (fresh samples a short page pool turned away), ``stalled``
+        (live rows that got no pages for the window: kept, not run), ``reprefill_tokens``
+        (tokens of rows already decoding prefilled again), ``decode_slot_steps`` (slots x
+        decode steps), ``shared_prefills``; paged, ``pages_in_use`` (after the window: finished
+        rows' pages are back) and ``pages_total``."""
+        keys = ("admitted", "admissions_deferred", "stalled", "reprefill_tokens",
+                "decode_slot_steps", "shared_prefills")
+        out = {k: float(self.step_stats.get(k, 0.0)) for k in keys}
+        if kv_slots.is_paged(self.ds.cache):
+            _, refcount = kv_slots.host_pages(self.ds.cache)
+            out["pages_in_use"] = float((refcount > 0).sum())
+            out["pages_total"] = float(refcount.shape[0])
+        return out
+
     def step(self) -> RolloutBatch:
         st = self.state
+        self.step_stats = {}
         new_rows = self._admit()
+        self._count("admitted", float(new_rows.sum()))
         self._check_progress()
         self._place(new_rows)
         self._prefill(new_rows)
@@ -390,6 +416,8 @@ class TruncatedRolloutScheduler:
         self.step_count += 1
         self.stats["slot_steps"] += float(self.B * int(steps))
         self.stats["useful_tokens"] += float(count.sum())
+        self._count("stalled", float((st.live & stalled).sum()))
+        self.step_stats["decode_slot_steps"] = float(self.B * int(steps))
         return RolloutBatch(
             tokens=st.tokens.copy(), prompt_len=st.prompt_len.copy(),
             window_start=window_start, window_len=count.astype(np.int32),
