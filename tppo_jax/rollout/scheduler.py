@@ -262,29 +262,28 @@ class TruncatedRolloutScheduler:
         st = self.state
         new_rows = np.zeros(self.B, bool)
         room = kv_slots.admission_room(self.ds.cache, st.live, st.total_len - 1, self.window)
-        per_block = self.B // len(room)
-        full = np.zeros(len(room), bool)
-        for r in np.flatnonzero(~st.live):
-            block = r // per_block
-            if full[block]:
-                continue
-            if not self.pending:
-                ex = next(self.prompts)
+        ids_of: dict[int, list[int]] = {}
+
+        def need(i: int) -> int:  # pages the i-th waiting request takes (prompts drawn lazily)
+            while len(self.pending) <= i:
                 gid = self._next_group
                 self._next_group += 1
-                self.examples[gid] = ex
+                self.examples[gid] = next(self.prompts)
                 self.pending.extend([gid] * self.G)
+            gid = self.pending[i]
+            if gid not in ids_of:
+                ids_of[gid] = self.encode_prompt(self.examples[gid])[-self.P:]
+            if not kv_slots.is_paged(self.ds.cache):
+                return 0
+            return kv_slots.pages_for(len(ids_of[gid]) - 1 + self.window, self.engine.page_size)
+
+        admitted, deferred = kv_slots.admit_rows(np.flatnonzero(~st.live), room,
+                                                 self.B // len(room), need)
+        if deferred:
+            self._count("admissions_deferred", float(deferred))
+        for r, _ in admitted:
             gid = self.pending.popleft()
-            ids = self.encode_prompt(self.examples[gid])[-self.P:]
-            need = kv_slots.pages_for(len(ids) - 1 + self.window, self.engine.page_size)
-            if kv_slots.is_paged(self.ds.cache) and need > room[block]:
-                self.pending.appendleft(gid)  # pool short: admit fewer prompts; this one waits
-                self._count("admissions_deferred")
-                full[block] = True
-                if full.all():
-                    break
-                continue
-            room[block] -= need
+            ids = ids_of[gid]
             st.tokens[r] = 0
             st.tokens[r, :len(ids)] = ids
             st.prompt_len[r] = st.total_len[r] = len(ids)
