@@ -550,7 +550,8 @@ def paper_scale(args: argparse.Namespace, arch, t_grade: float, sample_ratio: fl
         a = {"decode_tp": args.decode_tp, "step_floor_s": args.step_floor_ms / 1e3,
              "reshard_s": args.reshard_s, "ici_bw": args.ici_gbs * 1e9, "compiled": compiled,
              **kw}
-        return accelerator_units(arch, slots, args.chips, args.device, args.mfu, args.bw_eff,
+        mfu, bw_eff = a.pop("mfu", args.mfu), a.pop("bw_eff", args.bw_eff)
+        return accelerator_units(arch, slots, args.chips, args.device, mfu, bw_eff,
                                  t_grade, args.grader_workers, **a)
 
     acc = units()
