@@ -630,7 +630,7 @@ def sensitivity(args: argparse.Namespace, slots: int, units, sample_ratio: float
 
     derates = [(args.mfu, args.bw_eff), (0.3, 0.5), (0.5, 0.85)]
     rows = []
-    for frac in (0.125, 0.25, 0.5):
+    for frac in args.sensitivity_medians:
         lengths = lognormal_lengths(slots * args.batches, frac * args.L, args.sigma, args.L)
         occ = {m: block_occupancy(args.pool_config, frac * args.L, args.sigma, args.prompt_len,
                                   w) for m, w in (("tppo", args.l), ("ppo", args.L))}
@@ -773,6 +773,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sigma", type=float, default=0.9)
     p.add_argument("--page-replay", default="results/page_replay.json",
                    help="occupancy under the paged pool (`tppo bench page-replay`)")
+    p.add_argument("--sensitivity-medians", type=float, nargs="*", default=[0.125, 0.25, 0.5],
+                   help="response-length medians / L of the sensitivity table")
     p.add_argument("--pool-config", default="configs/paper_qwen25_32b.yaml",
                    help="the paged pool the sensitivity table's page replays use")
     p.add_argument("--out", default="results")
