@@ -369,6 +369,7 @@ def _plot(out: dict, path: Path) -> None:
             ws = [w for w in res["windows"] if w["steps"]]
             x = np.cumsum([w["steps"] for w in ws])
             ax.step(x, [w["occupancy"] for w in ws], where="post",
+                    linestyle="--" if "/demand/" in key else "-",
                     label=f"{key.split('/', 1)[1]}: {res['steady']['occupancy']:.2f}")
         ax.set_title(f"{'T-PPO' if method == 'tppo' else 'PPO (l = L)'}: "
                      f"l = {out['window'] if method == 'tppo' else out['L']}")
