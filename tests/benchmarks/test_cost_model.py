@@ -48,9 +48,11 @@ def test_step_costs_charge_attention_and_the_reshard_per_step():
     u = Units(t_step=0.0, t_kv=0.0, t_policy=1.0, t_value=2.0, t_attn=0.1, t_reshard=5.0,
               t_grade=0.0)
     s = step_costs(c, u, packed=True)
-    # policy 10 x 4/3, critic 4 x 2, attention (60 x 4/3 + 20) x 0.1; 3 steps x 5 s reshard.
-    assert s["update"] == pytest.approx(40 / 3 + 8 + 10)
-    assert s["reshard"] == 15 and s["total"] == pytest.approx(40 / 3 + 8 + 10 + 15)
+    # policy 10 x 4/3, critic 4 x 2, attention (60 x (1 + 2/9) + 20) x 0.1 (the targets pass
+    # is one attention forward, 2 of the 9 a trained row costs); 3 steps x 5 s reshard.
+    attn = (60 * 11 / 9 + 20) * 0.1
+    assert s["update"] == pytest.approx(40 / 3 + 8 + attn)
+    assert s["reshard"] == 15 and s["total"] == pytest.approx(40 / 3 + 8 + attn + 15)
 
 
 def test_steady_state_occupancy_without_the_drain():
@@ -129,7 +131,8 @@ def test_accelerator_units_are_roofline_terms_with_floor_reshard_and_attention()
     assert u.t_kv == pytest.approx(kv / (chips * bw))
     assert u.t_policy == pytest.approx(6 * pol / (chips * flops * 0.5))
     assert u.t_value == pytest.approx(6 * val / (chips * flops * 0.5))
-    assert u.t_attn == pytest.approx(6 * 2 * 2 * 4 / (chips * flops * 0.5))
+    # forward 2 + flash backward 5 + remat 2 per layer x d x T (T + 1)
+    assert u.t_attn == pytest.approx(9 * 2 * 2 * 4 / (chips * flops * 0.5))
     # Each chip receives its decode shard (2 pol / tp bytes) less what it holds (tp / chips).
     assert u.t_reshard == pytest.approx(2 * pol / tp * (1 - tp / chips) / 1e9)
     assert u.t_grade == 0.25
@@ -165,9 +168,13 @@ def test_compiled_units_loader_on_a_hand_json(tmp_path):
     u = accelerator_units(ARCH, slots=16, chips=4, device="H100", mfu=0.5, bw_eff=1.0,
                           t_grade=0.0, grader_workers=1, compiled=c, reshard_s=0.0)
     flops, bw = 989e12, 3.35e12
-    assert u.t_step == pytest.approx(max(2e9 / bw, 8e9 / 32 * 16 / (flops * 0.5)))
+    # The decode step is its matmuls (not the compiled program's attention over the whole
+    # page table); the update's matmuls are compiled, its attention analytic.
+    pol, _ = matmul_params(ARCH)
+    assert u.t_step == pytest.approx(max(2 * pol / 8 / bw, 2 * pol / 4 * 16 / (flops * 0.5)))
     assert u.t_policy == pytest.approx(max(6e9 / (flops * 0.5), 3e6 / bw))
-    assert u.t_value == pytest.approx(3e9 / (flops * 0.5)) and u.t_attn == 0.0
+    assert u.t_value == pytest.approx(3e9 / (flops * 0.5))
+    assert u.t_attn == pytest.approx(9 * 2 * 2 * 4 / (4 * flops * 0.5))
 
 
 def test_compiled_units_loader_reads_the_compile_paths_program_list(tmp_path):
@@ -238,8 +245,8 @@ def test_cpu_check_replays_the_window_the_measured_run_had(tmp_path):
 
 
 def test_paper_scale_takes_its_units_from_a_compiled_json(tmp_path):
-    """``--compiled`` feeds the projection: the units name the file and carry its FLOPs
-    (attention inside the compiled update, so no separate attention term)."""
+    """``--compiled`` feeds the update's matmuls; the decode step is matmuls + the floor, the
+    attention analytic; each method's occupancy is the page replay's (both on demand)."""
     import argparse
 
     from tppo_jax.benchmarks.cost_model import add_args, paper_scale
@@ -249,23 +256,30 @@ def test_paper_scale_takes_its_units_from_a_compiled_json(tmp_path):
     path.write_text(json.dumps({"programs": {
         "decode": {"flops": 2 * 32e9 * 64 / 4, "bytes_accessed": 64e9 / 4, "slots": 64},
         "policy_update": {"flops": 6 * 32e9 * 1000 / 4, "bytes_accessed": 1e9, "tokens": 1000}}}))
+    replay = tmp_path / "page_replay.json"
+    replay.write_text(json.dumps({"runs": {
+        f"{m}/{a}/shipped": {"steady": {"occupancy": occ}}
+        for m, a, occ in (("tppo", "demand", 0.4), ("ppo", "demand", 0.2),
+                          ("tppo", "window", 0.2), ("ppo", "window", 0.02))}}))
     p = argparse.ArgumentParser()
     add_args(p)
     args = p.parse_args(["--prompts", "8", "--group", "8", "--chips", "4", "--batches", "4",
                          "--L", "256", "--l", "64", "--prompt-len", "16",
-                         "--compiled", str(path)])
+                         "--compiled", str(path), "--page-replay", str(replay),
+                         "--sensitivity-medians"])
     out = paper_scale(args, ARCHITECTURES["qwen2.5-32b"], t_grade=0.0, sample_ratio=1.0)
-    assert out["units_from"] == str(path) and out["units"]["t_attn"] == 0.0
+    assert str(path) in out["units_from"] and out["units"]["t_attn"] > 0
     flops = 459e12 * 0.4
     assert out["units"]["t_policy"] == pytest.approx(6 * 32e9 / 4 / flops)
     h = out["headline"]
     assert h["speedup"] == pytest.approx(1 / (h["f"] / h["r_d"] + (1 - h["f"]) * h["r_u"]))
+    assert h["occupancy"] == {"tppo": pytest.approx(0.4, rel=1e-3),
+                              "ppo": pytest.approx(0.2, rel=1e-3)}
     assert [s["f"] for s in out["published_shares"]] == [0.41, 0.50, 0.70, 0.60, 0.64]
-    # beside the compiled decode bytes: the step reading the weights once (2 N / decode_tp)
-    steps = out["decode_step_s"]
-    assert steps["weights_read"] == pytest.approx(
-        3e-3 + max(2 * 31985308672 / 8 / (2765e9 * 0.7), 2 * 32e9 * 64 / 4 / flops))
-    assert "compiled FLOPs, decode bytes = the weights read per step" in out["sensitivity"]
+    # the decode step: the weights read once per replica, or its matmuls, plus the floor
+    assert out["units"]["t_step"] == pytest.approx(
+        3e-3 + max(2 * 31985308672 / 8 / (2765e9 * 0.7), 2 * 31985308672 * 64 / 4 / flops))
+    assert out["decode_step_s"]["compiled program (not used)"] > 0
 
 
 def test_compiled_units_refuse_scanned_layers(tmp_path):

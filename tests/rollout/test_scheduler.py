@@ -134,11 +134,15 @@ def test_paged_equals_dense_and_short_pool_admits_fewer():
 
     # 6 slots x (12 + 24) tokens would need 54 pages of 4; give it 20.
     short = _scheduler(window=8, cache="paged", pages=20)
-    idle_seen = 0
+    idle_seen = deferred = 0
     for _ in range(5):
         rb = short.step()
         assert rb.tokens.shape[0] == short.B
         idle_seen += int((~short.state.live).sum())
+        m = short.step_metrics()  # this step's counts, what metrics.jsonl logs as sched_*
+        deferred += m["admissions_deferred"]
+        assert m["pages_total"] == 20 and 0 < m["pages_in_use"] <= 20
+        assert m["decode_slot_steps"] == short.B * int(rb.window_len.max())
         live = short.state.live
         attn = np.arange(rb.tokens.shape[1])[None] < rb.total_len[:, None]
         lp, _ = policy_token_logprobs(short.model, jnp.asarray(rb.tokens), jnp.asarray(attn), 1.0)
@@ -147,7 +151,7 @@ def test_paged_equals_dense_and_short_pool_admits_fewer():
             np.testing.assert_allclose(np.asarray(lp)[r, sl], rb.sample_logprobs[r, sl],
                                        atol=1e-4)
         short.release_finished(rb.finished)
-    assert idle_seen > 0 and short.stats.get("admissions_deferred", 0) > 0
+    assert idle_seen > 0 and deferred == short.stats["admissions_deferred"] > 0
 
 
 @pytest.mark.parametrize("cache", ["dense", "paged"])

@@ -115,6 +115,11 @@ def test_two_processes_train_and_agree(tmp_path, kv_cache):
     assert [r["step"] for r in rows] == [1, 2]  # process 0 alone writes
     # Both hosts' slots were trained on: 8 slots = 2 hosts x 4.
     assert all(r["tokens"] > 0 for r in rows)
+    # The scheduler's counts are summed over hosts (dense: step 1 fills all 8 slots).
+    assert all(r["sched_decode_slot_steps"] > 0 for r in rows)
+    assert rows[0]["sched_admitted"] == 8 or kv_cache == "paged"
+    if kv_cache == "paged":
+        assert all(0 < r["sched_pages_in_use"] <= r["sched_pages_total"] for r in rows)
     meta = json.loads((run / "checkpoints" / "2" / "meta" / "metadata").read_text())
     assert meta["num_processes"] == 2 and len(meta["hosts"]) == 2
     # Each host reads its own shard of the prompts: no question is in both hosts' slots.

@@ -58,6 +58,14 @@ from tppo_jax.benchmarks.accelerator import PEAKS
 # The targets pass (old log-probs and values before the update) as a share of one forward +
 # backward over the policy's rows: a forward is about a third of forward + backward.
 TARGETS = 1 / 3
+# Causal attention FLOPs per layer of a trained row of T tokens, in units of d T (T + 1)
+# (d = heads x head_dim): the forward is 2 (QK^T and PV over the T (T + 1) / 2 causal pairs, 2
+# FLOPs a multiply-add each); a flash backward recomputes the scores (2.5 forwards); remat
+# (every paper config trains with it) runs the forward once more. XLA's cost analysis counts
+# the Pallas (splash) kernels as ~0 FLOPs, so the update's compiled FLOPs leave this out.
+ATTN_FORWARD = 2.0
+ATTN_TRAIN = ATTN_FORWARD * (1 + 2.5 + 1)
+ATTN_TARGETS = ATTN_FORWARD / ATTN_TRAIN  # the targets pass: one forward
 
 # Published rollout shares of a synchronous step (phase times), to set beside the model's f.
 PUBLISHED_SHARES = [
@@ -166,7 +174,7 @@ def step_costs(c: Counts, u: Units, packed: bool) -> dict:
     """Seconds spent in each phase for counts ``c`` at unit costs ``u``."""
     k = "packed" if packed else "padded"
     pol, val = getattr(c, f"policy_{k}"), getattr(c, f"value_{k}")
-    sq = getattr(c, f"policy_sq_{k}") * (1 + TARGETS) + getattr(c, f"value_sq_{k}")
+    sq = getattr(c, f"policy_sq_{k}") * (1 + ATTN_TARGETS) + getattr(c, f"value_sq_{k}")
     out = {"decode": c.decode_steps * u.t_step + c.kv_reads * u.t_kv,
            "update": pol * (1 + TARGETS) * u.t_policy + val * u.t_value + sq * u.t_attn,
            "reshard": c.steps * u.t_reshard,
@@ -300,18 +308,19 @@ def accelerator_units(arch, slots: int, chips: int, device: str, mfu: float, bw_
     n_pol, n_val = matmul_params(arch)
     weight_bytes = 2 * n_pol
     kv = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2  # bf16 K and V
+    # A decode step: its matmuls (the weights read once per replica, 2 N_mm FLOPs per slot)
+    # and a fixed cost; attention is charged apart by the live KV it reads (t_kv per token
+    # of prefix), never by a compiled program's whole page table.
+    dec_bytes = weight_bytes / decode_tp  # per chip of a replica, per step
+    dec_tok = 2 * n_pol / chips  # per chip, per decoded token
     if compiled is None:
-        dec_bytes = weight_bytes / decode_tp  # per chip of a replica, per step
-        dec_tok = 2 * n_pol / chips  # per chip, per decoded token
         pol_tok, val_tok = 6 * n_pol / chips, 6 * n_val / chips
         pol_bytes = val_bytes = 0.0
-        attn = 6 * arch.num_layers * arch.num_heads * arch.head_dim / (chips * flops * mfu)
-    else:
-        dec_bytes, dec_tok = compiled.decode_bytes_per_step, compiled.decode_flops_per_token
+    else:  # the update's matmuls as compiled (its attention is the analytic term below)
         pol_tok, pol_bytes = compiled.update_flops_per_token, compiled.update_bytes_per_token
         val_tok = compiled.value_flops_per_token or pol_tok * n_val / n_pol
         val_bytes = compiled.value_bytes_per_token or pol_bytes * n_val / n_pol
-        attn = 0.0
+    attn = ATTN_TRAIN * arch.num_layers * arch.num_heads * arch.head_dim / (chips * flops * mfu)
     t_step = step_floor_s + max(dec_bytes / (bw * bw_eff), dec_tok * slots / (flops * mfu))
     if reshard_s is None:  # each chip receives its decode shard, less what it holds
         received = weight_bytes / decode_tp * max(1 - decode_tp / chips, 0.0)
@@ -329,17 +338,24 @@ def lognormal_lengths(n: int, median: float, sigma: float, max_len: int, seed: i
 
 
 def compare(lengths: np.ndarray, slots: int, window: int, max_len: int, prompt: int,
-            unit: Units, packed: bool, sample_ratio: float = 1.0) -> dict:
+            unit: Units, packed: bool, sample_ratio: float = 1.0,
+            occupancy: dict | None = None) -> dict:
     """Both methods on ``lengths``: steady-state phase seconds, occupancy, the drain apart,
-    and the projection (``f``, ``r_d``, ``r_u``, speedup)."""
+    and the projection (``f``, ``r_d``, ``r_u``, speedup). ``occupancy``: each method's slot
+    occupancy where pages bound it (a page replay); its decode steps are then the tokens
+    over it (unlimited pages without it)."""
     per: dict = {}
     for name, w in (("tppo", window), ("ppo", max_len)):
         rp = replay(lengths, slots, w, max_len, prompt)
         if not rp.steady.finished:
             raise SystemExit(f"{len(lengths)} samples over {slots} slots leave no steady-state "
                              f"window for l = {w}: replay more batches")
-        per[name] = {"counts": asdict(rp.steady), "seconds": step_costs(rp.steady, unit, packed),
-                     "occupancy": rp.steady.occupancy(slots),
+        c = rp.steady
+        if occupancy is not None:
+            c = replace(c, decode_steps=round(c.useful_tokens / (occupancy[name] * slots)))
+        per[name] = {"counts": asdict(c), "seconds": step_costs(c, unit, packed),
+                     "occupancy": c.occupancy(slots),
+                     "occupancy_unlimited_pages": rp.steady.occupancy(slots),
                      "drain": {"counts": asdict(rp.drain),
                                "occupancy": rp.drain.occupancy(slots),
                                "occupancy_with_drain": rp.total.occupancy(slots)}}
@@ -534,28 +550,38 @@ def paper_scale(args: argparse.Namespace, arch, t_grade: float, sample_ratio: fl
         a = {"decode_tp": args.decode_tp, "step_floor_s": args.step_floor_ms / 1e3,
              "reshard_s": args.reshard_s, "ici_bw": args.ici_gbs * 1e9, "compiled": compiled,
              **kw}
-        return accelerator_units(arch, slots, args.chips, args.device, args.mfu, args.bw_eff,
+        mfu, bw_eff = a.pop("mfu", args.mfu), a.pop("bw_eff", args.bw_eff)
+        return accelerator_units(arch, slots, args.chips, args.device, mfu, bw_eff,
                                  t_grade, args.grader_workers, **a)
 
     acc = units()
     n_pol, n_val = matmul_params(arch)
     big = lognormal_lengths(slots * args.batches, args.median_frac * args.L, args.sigma, args.L)
+    pages = page_occupancy(Path(args.page_replay))
 
-    def cmp(lengths=big, u=acc, mode="packed") -> dict:
+    def cmp(lengths=big, u=acc, mode="packed", occ=pages["demand"]) -> dict:
         return compare(lengths, slots, args.l, args.L, args.prompt_len, u, mode == "packed",
-                       sample_ratio)
+                       sample_ratio, occupancy=occ)
 
     out: dict = {
         "arch": args.arch, "params": arch.n_params, "matmul_params": {"policy": n_pol,
                                                                       "critic": n_val},
-        "units_from": compiled.source if compiled else "hand formulas (roofline)",
+        "units_from": ("decode: matmuls + fixed cost, attention by live KV bytes; update: "
+                       + (f"compiled matmul FLOPs ({compiled.source})" if compiled else
+                          "6 N_mm FLOPs") + " + analytic attention (forward, flash backward, "
+                       "remat)"),
         "slots": slots, "L": args.L, "window": args.l, "batches": args.batches,
-        "units": asdict(acc), "lengths": _stats(big),
+        "units": asdict(acc), "lengths": _stats(big), "pages": pages,
         "packed": cmp(), "padded": cmp(mode="padded")}
     p = out["packed"]["projection"]
-    out["headline"] = {"mode": "packed", **p,
+    out["headline"] = {"mode": "packed", "pages": "on demand, shipped pool (page replay)", **p,
                        "occupancy": {m: out["packed"][m]["occupancy"] for m in ("tppo", "ppo")},
                        "decode_step_ratio": out["packed"]["decode_step_ratio"]}
+    out["by_pages"] = {
+        "unlimited pages (what the model assumed before)": cmp(occ=None)["projection"],
+        # not a comparison: the window rule starves PPO (l = L) of pages far more than T-PPO
+        "whole-window reservation, shipped pool (the engine today): UNFAIR, PPO starved of "
+        "pages": cmp(occ=pages["window"])["projection"]}
     out["miscounts"] = miscounts(arch, args, out["packed"])
     out["published_shares"] = [
         {**s, "speedup_at_model_r_d_r_u": speedup_at(s["f"], p["r_d"], p["r_u"])}
@@ -563,26 +589,59 @@ def paper_scale(args: argparse.Namespace, arch, t_grade: float, sample_ratio: fl
     # f that 2.5x needs at the model's r_d and r_u (None: beyond reach, r_d <= 2.5).
     den = 1 / p["r_d"] - p["r_u"]
     out["f_for_2_5x"] = (0.4 - p["r_u"]) / den if p["r_d"] > 2.5 and den else None
-    out["sensitivity"] = {
-        **{f"median_frac={f}": cmp(lognormal_lengths(slots * args.batches, f * args.L,
-                                                     args.sigma, args.L))["projection"]
-           for f in (0.0625, 0.125, 0.25, 0.4)},
+    out["sensitivity"] = sensitivity(args, slots, units, sample_ratio)
+    out["other"] = {
         **{f"step_floor_ms={ms}": cmp(u=units(step_floor_s=ms / 1e3))["projection"]
            for ms in (0.0, 10.0, 30.0)},
         "decode_tp=1 (a full copy of the weights read by every chip per step)":
-            cmp(u=units(decode_tp=1))["projection"],
-        "4 batches (the drain inside)": _with_drain(big[:slots * 4], slots, args, acc,
-                                                    sample_ratio),
-    }
+            cmp(u=units(decode_tp=1))["projection"]}
     if compiled is not None:
-        # XLA's bytes_accessed of a decode step counts whole operands (the paged pool's
-        # gathers and in-place updates): beside it, the step reading the weights once.
-        weights = replace(compiled, decode_bytes_per_step=2 * n_pol / args.decode_tp)
-        out["decode_step_s"] = {"compiled": acc.t_step,
-                                "weights_read": units(compiled=weights).t_step}
-        out["sensitivity"]["compiled FLOPs, decode bytes = the weights read per step"] = \
-            cmp(u=units(compiled=weights))["projection"]
+        # The compiled decode program's FLOPs and bytes, for comparison only: on this CPU's
+        # compile its attention is the reference kernel over every slot's whole page table
+        # and bytes_accessed counts whole pool operands, neither what a TPU kernel does.
+        flops, bw = PEAKS[args.device]
+        out["decode_step_s"] = {
+            "used: matmuls + fixed cost": acc.t_step,
+            "compiled program (not used)": args.step_floor_ms / 1e3 + max(
+                compiled.decode_bytes_per_step / (bw * args.bw_eff),
+                compiled.decode_flops_per_token * slots / (flops * args.mfu))}
     return out
+
+
+def page_occupancy(path: Path) -> dict:
+    """Each method's steady-state slot occupancy from a page replay (``tppo bench
+    page-replay``, ``results/page_replay.json``): the on-demand allocator (the headline) and
+    the whole-window reservation, both with the shipped pool."""
+    try:
+        runs = json.loads(path.read_text())["runs"]
+        occ = {a: {m: runs[f"{m}/{a}/shipped"]["steady"]["occupancy"] for m in ("tppo", "ppo")}
+               for a in ("demand", "window")}
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"{path}: needs a page replay of both methods and both allocators "
+                         f"with the shipped pool (`tppo bench page-replay`): {e}") from None
+    return {"source": str(path), **occ}
+
+
+def sensitivity(args: argparse.Namespace, slots: int, units, sample_ratio: float) -> list:
+    """The speedup over the response-length median (L/8, L/4, L/2) and the MFU / bandwidth
+    derates; each median's occupancy from a page replay of one of the paper pool's page
+    blocks (on demand, the shipped pool's pages per block: ``page_replay.block_occupancy``)."""
+    from tppo_jax.benchmarks.page_replay import block_occupancy
+
+    derates = [(args.mfu, args.bw_eff), (0.3, 0.5), (0.5, 0.85)]
+    rows = []
+    for frac in args.sensitivity_medians:
+        lengths = lognormal_lengths(slots * args.batches, frac * args.L, args.sigma, args.L)
+        occ = {m: block_occupancy(args.pool_config, frac * args.L, args.sigma, args.prompt_len,
+                                  w) for m, w in (("tppo", args.l), ("ppo", args.L))}
+        row = {"median_frac": frac, "median": frac * args.L, "occupancy": occ}
+        for mfu, bw in derates:
+            pr = compare(lengths, slots, args.l, args.L, args.prompt_len,
+                         units(mfu=mfu, bw_eff=bw), True, sample_ratio, occupancy=occ)
+            row[f"mfu={mfu},bw_eff={bw}"] = {k: pr["projection"][k]
+                                             for k in ("f", "r_d", "r_u", "speedup")}
+        rows.append(row)
+    return rows
 
 
 def miscounts(arch, args: argparse.Namespace, packed: dict) -> dict:
@@ -592,8 +651,8 @@ def miscounts(arch, args: argparse.Namespace, packed: dict) -> dict:
     n_pol, n_val = matmul_params(arch)
     per_token = 6 / (args.chips * flops * args.mfu)
     new = Units(0.0, 0.0, n_pol * per_token, n_val * per_token,
-                6 * arch.num_layers * arch.num_heads * arch.head_dim / (args.chips * flops
-                                                                       * args.mfu), 0.0, 0.0)
+                ATTN_TRAIN * arch.num_layers * arch.num_heads * arch.head_dim
+                / (args.chips * flops * args.mfu), 0.0, 0.0)
     old = replace(new, t_policy=arch.n_params * per_token, t_value=arch.n_params * per_token,
                   t_attn=0.0)
     out = {"policy_6N_over_6N_matmul": arch.n_params / n_pol,
@@ -605,18 +664,6 @@ def miscounts(arch, args: argparse.Namespace, packed: dict) -> dict:
         out[m] = {"attention_share_of_update": s_attn / s_new,
                   "old_formula_over_new": step_costs(c, old, True)["update"] / s_new}
     return out
-
-
-def _with_drain(lengths: np.ndarray, slots: int, args, unit: Units, sample_ratio: float
-                ) -> dict:
-    """The projection of a short replay counting its drain, as the model ran before."""
-    sec = {}
-    for name, w in (("tppo", args.l), ("ppo", args.L)):
-        c = replay(lengths, slots, w, args.L, args.prompt_len).total
-        sec[name] = step_costs(c, unit, packed=True)
-        sec[f"{name}_occupancy"] = c.occupancy(slots)
-    return {**projection(sec["ppo"], sec["tppo"], sample_ratio),
-            "occupancy": {m: sec[f"{m}_occupancy"] for m in ("tppo", "ppo")}}
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -724,6 +771,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--median-frac", type=float, default=0.125,
                    help="median response length / L of the log-normal lengths")
     p.add_argument("--sigma", type=float, default=0.9)
+    p.add_argument("--page-replay", default="results/page_replay.json",
+                   help="occupancy under the paged pool (`tppo bench page-replay`)")
+    p.add_argument("--sensitivity-medians", type=float, nargs="*", default=[0.125, 0.25, 0.5],
+                   help="response-length medians / L of the sensitivity table")
+    p.add_argument("--pool-config", default="configs/paper_qwen25_32b.yaml",
+                   help="the paged pool the sensitivity table's page replays use")
     p.add_argument("--out", default="results")
 
 

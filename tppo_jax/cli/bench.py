@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 BENCHMARKS = {"tppo-vs-ppo": "tppo_vs_ppo", "decode": "decode", "intensity": "intensity",
               "accelerator": "accelerator", "cost-model": "cost_model",
-              "compiled-units": "compiled_units",
+              "compiled-units": "compiled_units", "page-replay": "page_replay",
               "prefill-width": "prefill_width", "learning": "learning",
               "lora-export": "lora_export"}
 

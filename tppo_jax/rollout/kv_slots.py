@@ -10,6 +10,7 @@ host-side budget rule the scheduler admits prompts with.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -100,14 +101,14 @@ def reserve(cache: Cache, rows: Array, upto: Array) -> tuple[Cache, Array]:
         return cache, jnp.ones(rows.shape, bool)
     sp = _split(cache)
     if sp is None:
-        pages, ok = _reserve_pages(cache.pages, rows, upto)
+        pages, ok = reserve_pages(cache.pages, rows, upto)
     else:  # each block from its own free pages
-        pages, ok = sp.run(_reserve_pages, (sp.rows,) * 3, (sp.rows, sp.rows))(
+        pages, ok = sp.run(reserve_pages, (sp.rows,) * 3, (sp.rows, sp.rows))(
             cache.pages, rows, upto)
     return cache.replace(pages=pages), ok
 
 
-def _reserve_pages(pages: pg.PageState, rows: Array, upto: Array) -> tuple[pg.PageState, Array]:
+def reserve_pages(pages: pg.PageState, rows: Array, upto: Array) -> tuple[pg.PageState, Array]:
     """``pg.reserve`` of positions ``[0, upto [S])`` for the ``rows [S]`` slots."""
     extra = jnp.maximum(upto - pages.slot_len, 0)
     return pg.reserve(pages, rows, jnp.where(rows, extra, 0))
@@ -211,11 +212,86 @@ def block_room(held: np.ndarray, refcount: np.ndarray, blocks: int, live: np.nda
       bool; position ``[S]`` tokens cached per slot.
     Returns: ``[blocks]`` int64 (negative: continuations alone overdraw the block).
     """
-    s, n = held.shape[0], refcount.shape[0]
+    n = refcount.shape[0]
+    free = (refcount == 0).reshape(blocks, n // blocks).sum(axis=1)
+    return window_room(free, held, live, position, window, page_size)
+
+
+def window_room(free: np.ndarray, held: np.ndarray, live: np.ndarray, position: np.ndarray,
+                window: int, page_size: int) -> np.ndarray:
+    """``block_room`` from each block's free pages ``free [blocks]``: what is left once
+    every live slot has pages for ``position + window`` tokens. ``[blocks]`` int64."""
+    blocks, s = len(free), held.shape[0]
     want = -(-(np.asarray(position, np.int64) + window) // page_size)
     grow = np.where(live, np.maximum(want - held, 0), 0)
-    free = (refcount == 0).reshape(blocks, n // blocks).sum(axis=1)
-    return (free - grow.reshape(blocks, s // blocks).sum(axis=1)).astype(np.int64)
+    return (np.asarray(free, np.int64) - grow.reshape(blocks, s // blocks).sum(axis=1))
+
+
+def admit_rows(free_rows: np.ndarray, room: np.ndarray, per_block: int,
+               need: Callable[[int], int]) -> tuple[list[tuple[int, int]], int]:
+    """The admission rule: the slots ``free_rows`` (ascending) take the waiting requests in
+    queue order while their page block has ``room`` (``[blocks]`` pages, spent as rows are
+    admitted); ``need(i)`` is the pages the ``i``-th waiting request takes. A block that cannot
+    take the next request takes none after it this step (its slots wait, so requests keep
+    their order). Returns ``([(row, request index)], requests deferred)``: admitted in order,
+    request indices ``0, 1, ...``; a deferral counts each time a block turns the head away."""
+    room = np.array(room, np.int64)
+    full = np.zeros(len(room), bool)
+    out: list[tuple[int, int]] = []
+    deferred = 0
+    for r in free_rows:
+        block = int(r) // per_block
+        if full[block]:
+            continue
+        k = need(len(out))
+        if k > room[block]:
+            deferred += 1
+            full[block] = True
+            if full.all():
+                break
+            continue
+        room[block] -= k
+        out.append((int(r), len(out)))
+    return out, deferred
+
+
+def readmit_rows(order: np.ndarray, room: np.ndarray, per_block: int, need: np.ndarray
+                 ) -> np.ndarray:
+    """Preempted rows back into their own slots, in ``order`` (oldest first), while their
+    block has ``room`` for their ``need [S]`` pages (a re-prefill); a block that cannot take
+    its oldest takes none after it. Returns ``[S]`` bool."""
+    room = np.array(room, np.int64)
+    full = np.zeros(len(room), bool)
+    out = np.zeros(need.shape[0], bool)
+    for r in order:
+        b = int(r) // per_block
+        if full[b] or need[r] > room[b]:
+            full[b] = True
+            continue
+        room[b] -= need[r]
+        out[r] = True
+    return out
+
+
+def preempt_rows(short: np.ndarray, gain: np.ndarray, candidates: np.ndarray,
+                 age: np.ndarray) -> np.ndarray:
+    """Which rows a block that runs dry preempts (frees; re-prefilled when room returns, as
+    vLLM does): in each block short of ``short [blocks]`` pages, the youngest ``candidates``
+    (largest ``age``: the latest admitted) until what preempting them gives back (``gain
+    [S]``: the pages a row holds plus those it was about to take) covers the shortfall.
+    Returns ``[S]`` bool."""
+    blocks, s = len(short), gain.shape[0]
+    per = s // blocks
+    out = np.zeros(s, bool)
+    for b in np.flatnonzero(np.asarray(short) > 0):
+        rows = np.flatnonzero(candidates[b * per:(b + 1) * per]) + b * per
+        got = 0
+        for r in rows[np.argsort(-np.asarray(age)[rows], kind="stable")]:
+            if got >= short[b]:
+                break
+            out[r] = True
+            got += int(gain[r])
+    return out
 
 
 def admission_room(cache: Cache, live: np.ndarray, position: np.ndarray, window: int

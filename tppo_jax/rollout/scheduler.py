@@ -184,6 +184,8 @@ class TruncatedRolloutScheduler:
         self.step_count = 0
         self._next_group = 0
         self.stats: dict[str, float] = {"slot_steps": 0.0, "useful_tokens": 0.0}
+        # This step's host-local counts (``step_metrics``; the trainer sums them over hosts).
+        self.step_stats: dict[str, float] = {}
         self._force_prefill = False
         self.pending: deque[int] = deque()
         self._idle_steps = 0  # steps in a row with no live row (nothing admitted or running)
@@ -240,8 +242,7 @@ class TruncatedRolloutScheduler:
             self.ds, ok = self.engine.share_prompts(self.ds, self._put(first), self._put(dst),
                                                     seq_ids)
             done |= dst & self._host_rows(ok)
-        self.stats["shared_prefills"] = self.stats.get("shared_prefills", 0.0) + float(
-            (done & ~src).sum())
+        self._count("shared_prefills", float((done & ~src).sum()))
         return done
 
     # ------------------------------------------------------------------ slot management
@@ -262,30 +263,28 @@ class TruncatedRolloutScheduler:
         st = self.state
         new_rows = np.zeros(self.B, bool)
         room = kv_slots.admission_room(self.ds.cache, st.live, st.total_len - 1, self.window)
-        per_block = self.B // len(room)
-        full = np.zeros(len(room), bool)
-        for r in np.flatnonzero(~st.live):
-            block = r // per_block
-            if full[block]:
-                continue
-            if not self.pending:
-                ex = next(self.prompts)
+        ids_of: dict[int, list[int]] = {}
+
+        def need(i: int) -> int:  # pages the i-th waiting request takes (prompts drawn lazily)
+            while len(self.pending) <= i:
                 gid = self._next_group
                 self._next_group += 1
-                self.examples[gid] = ex
+                self.examples[gid] = next(self.prompts)
                 self.pending.extend([gid] * self.G)
+            gid = self.pending[i]
+            if gid not in ids_of:
+                ids_of[gid] = self.encode_prompt(self.examples[gid])[-self.P:]
+            if not kv_slots.is_paged(self.ds.cache):
+                return 0
+            return kv_slots.pages_for(len(ids_of[gid]) - 1 + self.window, self.engine.page_size)
+
+        admitted, deferred = kv_slots.admit_rows(np.flatnonzero(~st.live), room,
+                                                 self.B // len(room), need)
+        if deferred:
+            self._count("admissions_deferred", float(deferred))
+        for r, _ in admitted:
             gid = self.pending.popleft()
-            ids = self.encode_prompt(self.examples[gid])[-self.P:]
-            need = kv_slots.pages_for(len(ids) - 1 + self.window, self.engine.page_size)
-            if kv_slots.is_paged(self.ds.cache) and need > room[block]:
-                self.pending.appendleft(gid)  # pool short: admit fewer prompts; this one waits
-                self.stats["admissions_deferred"] = self.stats.get(
-                    "admissions_deferred", 0.0) + 1
-                full[block] = True
-                if full.all():
-                    break
-                continue
-            room[block] -= need
+            ids = ids_of[gid]
             st.tokens[r] = 0
             st.tokens[r, :len(ids)] = ids
             st.prompt_len[r] = st.total_len[r] = len(ids)
@@ -347,6 +346,8 @@ class TruncatedRolloutScheduler:
         # Sharing needs the prompt's KV to stay fixed, so not with reprefill.
         if kv_slots.is_paged(self.ds.cache) and self.kv_policy == "keep" and self.G > 1:
             rows &= ~self._share_prompts(new_rows)
+        # Tokens prefilled again for rows already decoding (reprefill, or after a restore).
+        self._count("reprefill_tokens", float((st.total_len - 1)[rows & ~new_rows].sum()))
         if not rows.any() and jax.process_count() == 1:  # hosts must make the same calls
             return
         self.ds, ok = self._prefill_rows(rows)
@@ -364,9 +365,33 @@ class TruncatedRolloutScheduler:
         return self.engine.prefill_slots(self.params, self.ds, self._put(st.tokens[:, :width]),
                                          self._put(st.total_len), self._put(rows))
 
+    def _count(self, key: str, n: float = 1.0) -> None:
+        """Adds ``n`` to this step's ``key`` and to the run's total of it."""
+        self.step_stats[key] = self.step_stats.get(key, 0.0) + n
+        self.stats[key] = self.stats.get(key, 0.0) + n
+
+    def step_metrics(self) -> dict[str, float]:
+        """The last ``step()``'s host-local scheduler counts (the same keys on every host;
+        summed over hosts they are the step's): ``admitted`` (fresh samples),
+        ``admissions_deferred`` (fresh samples a short page pool turned away), ``stalled``
+        (live rows that got no pages for the window: kept, not run), ``reprefill_tokens``
+        (tokens of rows already decoding prefilled again), ``decode_slot_steps`` (slots x
+        decode steps), ``shared_prefills``; paged, ``pages_in_use`` (after the window: finished
+        rows' pages are back) and ``pages_total``."""
+        keys = ("admitted", "admissions_deferred", "stalled", "reprefill_tokens",
+                "decode_slot_steps", "shared_prefills")
+        out = {k: float(self.step_stats.get(k, 0.0)) for k in keys}
+        if kv_slots.is_paged(self.ds.cache):
+            _, refcount = kv_slots.host_pages(self.ds.cache)
+            out["pages_in_use"] = float((refcount > 0).sum())
+            out["pages_total"] = float(refcount.shape[0])
+        return out
+
     def step(self) -> RolloutBatch:
         st = self.state
+        self.step_stats = {}
         new_rows = self._admit()
+        self._count("admitted", float(new_rows.sum()))
         self._check_progress()
         self._place(new_rows)
         self._prefill(new_rows)
@@ -391,6 +416,8 @@ class TruncatedRolloutScheduler:
         self.step_count += 1
         self.stats["slot_steps"] += float(self.B * int(steps))
         self.stats["useful_tokens"] += float(count.sum())
+        self._count("stalled", float((st.live & stalled).sum()))
+        self.step_stats["decode_slot_steps"] = float(self.B * int(steps))
         return RolloutBatch(
             tokens=st.tokens.copy(), prompt_len=st.prompt_len.copy(),
             window_start=window_start, window_len=count.astype(np.int32),

@@ -478,6 +478,7 @@ class Trainer:
             "rows": self.sched.B, "tokens": rb.window_len.sum(), "idle": roll.idle})
         top = mh.max_over_hosts({"resp_len": resp_len.max(), "window": rb.window_len.max()})
         counts = _merge_counts(mh.gather_json({k: int(v) for k, v in roll.counts.items()}))
+        sched = mh.sum_over_hosts(self.sched.step_metrics())
         nfin = max(tot["fin"], 1.0)
         c_roll, c_upd, t0 = roll.c_roll, upd.compile_s, roll.t0
         row = self.metrics.write(self.state.step, {
@@ -496,6 +497,7 @@ class Trainer:
             **{f"grade_{k}": v for k, v in counts.items()},
             "tokens": int(tot["tokens"]),
             "idle_slots": int(tot["idle"]),
+            **{f"sched_{k}": v for k, v in sched.items()},
             # Compile seconds are split out of the phase they happened in.
             "time_rollout_s": roll.t_roll - c_roll, "time_grading_s": roll.t_grade,
             "time_update_s": upd.t_update - c_upd, "time_compile_s": c_roll + c_upd,
