@@ -6,7 +6,7 @@
     summary["eval_after"]["accuracy"]                  # percent
 
 ``fit`` is what ``tppo train`` runs (same run directory, claim, checkpoints, metrics and
-summary), minus the command line's printing. It works from a plain script without an
+summary, and the same before -> after line at the end). It works from a plain script without an
 ``if __name__ == "__main__":`` guard: the grading workers never re-run the script
 (``rewards/workers.py``).
 """
@@ -32,7 +32,7 @@ def fit(config: Config | str | Path | None = None, run_dir: str | Path | None = 
       overrides: ``["train.steps=10", ...]`` or ``{"train.steps": 10}``, applied on top of
         the named ``config`` (not with a ``Config``: give those to ``load_config``).
       resume: continue the run in ``run_dir`` from its latest checkpoint.
-      progress: progress bars.
+      progress: progress bars and the held-out accuracy's before -> after line.
 
     Returns:
       ``{"eval_before", "eval_after", "steps", "preempted", "train_seconds", "run_dir"}``;
@@ -52,8 +52,21 @@ def fit(config: Config | str | Path | None = None, run_dir: str | Path | None = 
     else:
         cfg = load_config(config, ov)
         name = Path(str(config)).stem if config else "default"
-    return train(cfg, run_dir if run_dir is not None else Path("runs") / name, resume=resume,
-                 progress=progress)
+    summary = train(cfg, run_dir if run_dir is not None else Path("runs") / name,
+                    resume=resume, progress=progress)
+    if progress and not summary["preempted"]:
+        print(before_after(cfg, summary), flush=True)
+    return summary
+
+
+def before_after(cfg: Config, summary: dict[str, Any]) -> str:
+    """The line a finished run ends with: held-out accuracy before -> after training."""
+    b, a = summary["eval_before"], summary["eval_after"]
+    return (f"held-out accuracy, avg@{cfg.train.eval_samples} sampled at "
+            f"T={cfg.rollout.temperature}: {b['accuracy']:.1f}% -> {a['accuracy']:.1f}%; "
+            f"greedy: {b['greedy_accuracy']:.1f}% -> {a['greedy_accuracy']:.1f}%  "
+            f"({summary['steps']} steps, {summary['train_seconds']:.0f} s, "
+            f"run dir {summary['run_dir']})")
 
 
 def _override_list(overrides: list[str] | dict[str, Any] | None) -> list[str]:

@@ -7,6 +7,11 @@ unformatted answers often, which the reward can then fix. The result (tokenizer 
 HF-format weights) is cached by a hash of everything that affects it, so a second run
 skips it, and copied into the run directory (``RUN/warmstart/``): a run directory moved,
 copied or read back from a bucket resumes, evaluates and exports without the cache.
+
+The shipped configs' warm-starts come with the package (``tppo_jax/warmstarts/<key>/``, the
+cache folder's files byte for byte): a config whose key matches one starts from it instead
+of training, so the first run of the default spends its minutes on RL. Regenerated (and
+checked) by ``python -m tppo_jax.trainer.warmstart [--check] default longtail``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ from tppo_jax.trainer.params import model_key
 log = logging.getLogger(__name__)
 
 RUN_SUBDIR = "warmstart"  # the run directory's own copy of its warm-start
+
+# The shipped warm-starts: one folder per key, holding what ``_train`` writes to a cache.
+SHIPPED = Path(__file__).resolve().parents[1] / "warmstarts"
+SHIPPED_CONFIGS = ("default", "longtail")  # the configs whose warm-starts ship
+# A cache folder's files, as ``_train`` writes them (DONE last).
+CACHE_FILES = ("tokenizer.model", "tokenizer.vocab", "policy/config.json",
+               "policy/model.safetensors", "stats.json", "DONE")
 
 TEACHER_SIZE = 20000
 WIDTH_BUCKET = 32  # SFT batches are padded to a multiple of this many tokens
@@ -163,15 +175,35 @@ def _sft_step(model: Transformer, opt: nnx.Optimizer, ids: jax.Array, mask: jax.
     return loss
 
 
+def shipped(cfg: Config) -> Path | None:
+    """The package's own warm-start for ``cfg`` (``SHIPPED/<key>``), None when none ships."""
+    return next((SHIPPED / k for k in accepted_keys(cfg) if (SHIPPED / k / "DONE").is_file()),
+                None)
+
+
 def cached(cfg: Config, cache_root: Path, *, progress: bool = True) -> Path:
-    """The shared cache folder of ``cfg``'s warm-start, trained first if missing."""
+    """The shared cache folder of ``cfg``'s warm-start: copied from the package's shipped
+    one when its key matches, else trained first if missing."""
     caches = [Path(cache_root) / f"warmstart-{k}" for k in accepted_keys(cfg)]
     done = next((c for c in caches if (c / "DONE").exists()), None)
     if done is not None:
         log.info("warm-start: reusing %s", done)
         return done
+    ship = shipped(cfg)
+    if ship is not None:
+        cache = Path(cache_root) / f"warmstart-{ship.name}"
+        log.info("warm-start: the shipped one (%s), copied to %s", ship, cache)
+        _copy_files(ship, cache)
+        return cache
     _train(cfg, caches[0], progress)
     return caches[0]
+
+
+def _copy_files(src: Path, dst: Path) -> None:
+    """A finished warm-start's ``CACHE_FILES`` from ``src`` into ``dst``, ``DONE`` last."""
+    for name in CACHE_FILES:
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / name, dst / name)
 
 
 def warmstart(cfg: Config, cache_root: Path, *, progress: bool = True, mesh=None
@@ -272,3 +304,50 @@ def _train(cfg: Config, cache: Path, progress: bool) -> None:
         {"final_loss": float(loss), "seconds": time.time() - t0, "vocab": tok.vocab_size,
          "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))}))
     done.write_text("ok")
+
+
+def ship(names: list[str], check: bool) -> int:
+    """Trains each named config's warm-start afresh (no cache, nothing shipped read) and
+    writes it to ``SHIPPED/<key>``, or with ``check`` compares it with the shipped files byte
+    for byte (``stats.json`` holds the seconds it took: not compared). 1 when one differs.
+
+    Trained into ``runs/warmstart-<key>`` of an empty folder: the tokenizer file records the
+    path it was trained at, so the shipped one is the file a first ``tppo train`` in a
+    checkout writes."""
+    import os
+    import tempfile
+
+    from tppo_jax.config import load_config
+
+    bad, home = 0, os.getcwd()
+    for name in names:
+        cfg = load_config(name)
+        key = warmstart_key(cfg)
+        with tempfile.TemporaryDirectory() as tmp:
+            os.chdir(tmp)
+            try:
+                fresh = Path(tmp) / "runs" / f"warmstart-{key}"
+                _train(cfg, Path("runs") / fresh.name, progress=True)
+            finally:
+                os.chdir(home)
+            if not check:
+                _copy_files(fresh, SHIPPED / key)
+                print(f"{name}: wrote {SHIPPED / key}")
+                continue
+            differ = [f for f in CACHE_FILES if f != "stats.json"
+                      and (SHIPPED / key / f).read_bytes() != (fresh / f).read_bytes()]
+            bad += bool(differ)
+            print(f"{name} ({key}): " + (f"DIFFERS in {', '.join(differ)}" if differ
+                                         else "identical to the shipped files"))
+    return int(bad > 0)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="train the shipped configs' warm-starts into "
+                                 "tppo_jax/warmstarts/ (or --check them against it)")
+    ap.add_argument("configs", nargs="*", default=list(SHIPPED_CONFIGS))
+    ap.add_argument("--check", action="store_true", help="compare, write nothing")
+    a = ap.parse_args()
+    raise SystemExit(ship(a.configs, a.check))
