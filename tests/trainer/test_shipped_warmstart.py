@@ -1,0 +1,64 @@
+"""The shipped warm-starts (``tppo_jax/warmstarts/<key>/``): one per config in
+``SHIPPED_CONFIGS``, found by that config's current key (a change to what the warm-start
+depends on fails here, not as a silent retrain in a user's first run), copied byte for byte
+into the cache instead of training, and as good as stated: the default's greedy accuracy on
+held-out questions."""
+
+import logging
+
+import pytest
+
+from tppo_jax.config import load_config
+from tppo_jax.trainer.warmstart import (
+    CACHE_FILES,
+    SHIPPED,
+    SHIPPED_CONFIGS,
+    cached,
+    shipped,
+    warmstart_key,
+)
+
+
+def test_each_shipped_config_finds_its_warmstart_and_nothing_else_ships():
+    keys = {warmstart_key(load_config(name)) for name in SHIPPED_CONFIGS}
+    assert {p.name for p in SHIPPED.iterdir() if p.is_dir()} == keys
+    for name in SHIPPED_CONFIGS:
+        folder = shipped(load_config(name))
+        assert folder == SHIPPED / warmstart_key(load_config(name))
+        assert all((folder / f).is_file() for f in CACHE_FILES), name
+    # A config whose warm-start differs has none: it trains its own, as before.
+    assert shipped(load_config("smoke")) is None
+    assert shipped(load_config("default", ["train.warmstart_steps=1599"])) is None
+    # The RL settings and the held-out set's size are not part of the key.
+    assert shipped(load_config("default", ["train.steps=3", "data.eval_size=16",
+                                           "optim.policy_lr=3e-5"])) is not None
+
+
+def test_a_matching_config_copies_the_shipped_files_instead_of_training(tmp_path, caplog):
+    cfg = load_config("default")
+    with caplog.at_level(logging.INFO, logger="tppo_jax.trainer.warmstart"):
+        cache = cached(cfg, tmp_path, progress=False)
+    assert cache == tmp_path / f"warmstart-{warmstart_key(cfg)}"
+    for f in CACHE_FILES:
+        assert (cache / f).read_bytes() == (SHIPPED / cache.name.split("-")[1] / f).read_bytes()
+    assert "shipped" in caplog.text and "SFT steps" not in caplog.text
+    assert cached(cfg, tmp_path, progress=False) == cache  # then it is the cache
+
+
+@pytest.mark.slow  # compiles the greedy decode (~10 s)
+def test_the_shipped_default_answers_held_out_questions_greedily():
+    from tppo_jax.data.run_data import prompt_rows
+    from tppo_jax.eval.heldout import evaluate
+    from tppo_jax.rewards.grader import MathGrader
+    from tppo_jax.trainer.warmstart import _load
+
+    cfg = load_config("default", ["data.eval_size=64"])
+    tok, policy = _load(cfg, shipped(cfg), None)
+    _, rows, encode = prompt_rows(cfg, tok)
+    assert len(rows) >= 60
+    with MathGrader.from_config(cfg.reward, cfg.data.format) as grader:
+        res = evaluate(policy, tok, rows, encode, grader,
+                       max_prompt_len=cfg.rollout.max_prompt_len,
+                       max_response_len=cfg.rollout.max_response_len)
+    # results/README.md: greedy 97.6% on the 127 held-out questions (machine A and B)
+    assert res["avg@1"] >= 93.0, res
