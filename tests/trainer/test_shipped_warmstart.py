@@ -18,6 +18,10 @@ from tppo_jax.trainer.warmstart import (
     warmstart_key,
 )
 
+pytestmark = pytest.mark.skipif(
+    not SHIPPED.is_dir(), reason="no warm-start ships in this checkout yet: "
+    "python -m tppo_jax.trainer.warmstart writes them")
+
 
 def test_each_shipped_config_finds_its_warmstart_and_nothing_else_ships():
     keys = {warmstart_key(load_config(name)) for name in SHIPPED_CONFIGS}

@@ -306,40 +306,51 @@ def _train(cfg: Config, cache: Path, progress: bool) -> None:
     done.write_text("ok")
 
 
-def ship(names: list[str], check: bool) -> int:
-    """Trains each named config's warm-start afresh (no cache, nothing shipped read) and
-    writes it to ``SHIPPED/<key>``, or with ``check`` compares it with the shipped files byte
-    for byte (``stats.json`` holds the seconds it took: not compared). 1 when one differs.
-
-    Trained into ``runs/warmstart-<key>`` of an empty folder: the tokenizer file records the
-    path it was trained at, so the shipped one is the file a first ``tppo train`` in a
-    checkout writes."""
-    import os
+def ship(names: list[str], check: bool, source: Path | None = None) -> int:
+    """Trains each named config's warm-start afresh (no cache, nothing shipped read), or
+    takes the finished one in ``source/warmstart-<key>``, and writes it to ``SHIPPED/<key>``;
+    with ``check``, compares it with the shipped files byte for byte instead (``stats.json``
+    holds the seconds it took: not compared). Returns 1 when one differs."""
     import tempfile
 
     from tppo_jax.config import load_config
 
-    bad, home = 0, os.getcwd()
+    bad = 0
     for name in names:
         cfg = load_config(name)
         key = warmstart_key(cfg)
         with tempfile.TemporaryDirectory() as tmp:
-            os.chdir(tmp)
-            try:
-                fresh = Path(tmp) / "runs" / f"warmstart-{key}"
-                _train(cfg, Path("runs") / fresh.name, progress=True)
-            finally:
-                os.chdir(home)
+            built = Path(tmp) / key
+            if source is None:
+                _train(cfg, built, progress=True)
+            else:
+                done = Path(source) / f"warmstart-{key}"
+                if not (done / "DONE").is_file():
+                    raise SystemExit(f"{done}: no finished warm-start of {name} (key {key})")
+                _copy_files(done, built)
+            _canonical_tokenizer(built, key)
             if not check:
-                _copy_files(fresh, SHIPPED / key)
+                _copy_files(built, SHIPPED / key)
                 print(f"{name}: wrote {SHIPPED / key}")
                 continue
             differ = [f for f in CACHE_FILES if f != "stats.json"
-                      and (SHIPPED / key / f).read_bytes() != (fresh / f).read_bytes()]
+                      and (SHIPPED / key / f).read_bytes() != (built / f).read_bytes()]
             bad += bool(differ)
             print(f"{name} ({key}): " + (f"DIFFERS in {', '.join(differ)}" if differ
                                          else "identical to the shipped files"))
     return int(bad > 0)
+
+
+def _canonical_tokenizer(folder: Path, key: str) -> None:
+    """Sets the path a sentencepiece model records as its training prefix (the cache folder
+    it was trained in: its only machine-dependent bytes) to ``runs/warmstart-<key>/tokenizer``,
+    what a checkout's first ``tppo train`` records, so shipped bytes name no build machine."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString((folder / "tokenizer.model").read_bytes())
+    proto.trainer_spec.model_prefix = f"runs/warmstart-{key}/tokenizer"
+    (folder / "tokenizer.model").write_bytes(proto.SerializeToString())
 
 
 if __name__ == "__main__":
@@ -349,5 +360,8 @@ if __name__ == "__main__":
                                  "tppo_jax/warmstarts/ (or --check them against it)")
     ap.add_argument("configs", nargs="*", default=list(SHIPPED_CONFIGS))
     ap.add_argument("--check", action="store_true", help="compare, write nothing")
+    ap.add_argument("--from", dest="source", type=Path, default=None, metavar="CACHE_ROOT",
+                    help="take the finished warm-starts in CACHE_ROOT/warmstart-<key> (e.g. "
+                    "runs/) instead of training them")
     a = ap.parse_args()
-    raise SystemExit(ship(a.configs, a.check))
+    raise SystemExit(ship(a.configs, a.check, a.source))
