@@ -1,4 +1,4 @@
-"""The shipped warm-starts (``tppo_jax/warmstarts/<key>/``): one per config in
+"""The shipped warm-starts (``tppo_jax/warmstarts/warmstart-<key>/``): one per config in
 ``SHIPPED_CONFIGS``, found by that config's current key (a change to what the warm-start
 depends on fails here, not as a silent retrain in a user's first run), copied byte for byte
 into the cache instead of training, and as good as stated: the default's greedy accuracy on
@@ -24,11 +24,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_each_shipped_config_finds_its_warmstart_and_nothing_else_ships():
-    keys = {warmstart_key(load_config(name)) for name in SHIPPED_CONFIGS}
-    assert {p.name for p in SHIPPED.iterdir() if p.is_dir()} == keys
+    names = {f"warmstart-{warmstart_key(load_config(n))}" for n in SHIPPED_CONFIGS}
+    assert {p.name for p in SHIPPED.iterdir()} == names
     for name in SHIPPED_CONFIGS:
         folder = shipped(load_config(name))
-        assert folder == SHIPPED / warmstart_key(load_config(name))
+        assert folder == SHIPPED / f"warmstart-{warmstart_key(load_config(name))}"
         assert all((folder / f).is_file() for f in CACHE_FILES), name
     # A config whose warm-start differs has none: it trains its own, as before.
     assert shipped(load_config("smoke")) is None
@@ -44,7 +44,7 @@ def test_a_matching_config_copies_the_shipped_files_instead_of_training(tmp_path
         cache = cached(cfg, tmp_path, progress=False)
     assert cache == tmp_path / f"warmstart-{warmstart_key(cfg)}"
     for f in CACHE_FILES:
-        assert (cache / f).read_bytes() == (SHIPPED / cache.name.split("-")[1] / f).read_bytes()
+        assert (cache / f).read_bytes() == (SHIPPED / cache.name / f).read_bytes()
     assert "shipped" in caplog.text and "SFT steps" not in caplog.text
     assert cached(cfg, tmp_path, progress=False) == cache  # then it is the cache
 

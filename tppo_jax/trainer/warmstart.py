@@ -8,8 +8,8 @@ HF-format weights) is cached by a hash of everything that affects it, so a secon
 skips it, and copied into the run directory (``RUN/warmstart/``): a run directory moved,
 copied or read back from a bucket resumes, evaluates and exports without the cache.
 
-The shipped configs' warm-starts come with the package (``tppo_jax/warmstarts/<key>/``, the
-cache folder's files byte for byte): a config whose key matches one starts from it instead
+The shipped configs' warm-starts come with the package (``tppo_jax/warmstarts/``, each the
+files of its cache folder): a config whose key matches one starts from it instead
 of training, so the first run of the default spends its minutes on RL. Regenerated (and
 checked) by ``python -m tppo_jax.trainer.warmstart [--check] default longtail``.
 """
@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 
 RUN_SUBDIR = "warmstart"  # the run directory's own copy of its warm-start
 
-# The shipped warm-starts: one folder per key, holding what ``_train`` writes to a cache.
+# The shipped warm-starts: a folder per key named as its cache folder ("warmstart-<key>": not
+# a Python identifier, so setuptools ships it as data, not as a package), holding what
+# ``_train`` writes to a cache.
 SHIPPED = Path(__file__).resolve().parents[1] / "warmstarts"
 SHIPPED_CONFIGS = ("default", "longtail")  # the configs whose warm-starts ship
 # A cache folder's files, as ``_train`` writes them (DONE last).
@@ -176,9 +178,10 @@ def _sft_step(model: Transformer, opt: nnx.Optimizer, ids: jax.Array, mask: jax.
 
 
 def shipped(cfg: Config) -> Path | None:
-    """The package's own warm-start for ``cfg`` (``SHIPPED/<key>``), None when none ships."""
-    return next((SHIPPED / k for k in accepted_keys(cfg) if (SHIPPED / k / "DONE").is_file()),
-                None)
+    """The package's own warm-start for ``cfg`` (``SHIPPED/warmstart-<key>``), None when none
+    ships."""
+    folders = (SHIPPED / f"warmstart-{k}" for k in accepted_keys(cfg))
+    return next((f for f in folders if (f / "DONE").is_file()), None)
 
 
 def cached(cfg: Config, cache_root: Path, *, progress: bool = True) -> Path:
@@ -191,7 +194,7 @@ def cached(cfg: Config, cache_root: Path, *, progress: bool = True) -> Path:
         return done
     ship = shipped(cfg)
     if ship is not None:
-        cache = Path(cache_root) / f"warmstart-{ship.name}"
+        cache = Path(cache_root) / ship.name
         log.info("warm-start: the shipped one (%s), copied to %s", ship, cache)
         _copy_files(ship, cache)
         return cache
@@ -308,9 +311,10 @@ def _train(cfg: Config, cache: Path, progress: bool) -> None:
 
 def ship(names: list[str], check: bool, source: Path | None = None) -> int:
     """Trains each named config's warm-start afresh (no cache, nothing shipped read), or
-    takes the finished one in ``source/warmstart-<key>``, and writes it to ``SHIPPED/<key>``;
-    with ``check``, compares it with the shipped files byte for byte instead (``stats.json``
-    holds the seconds it took: not compared). Returns 1 when one differs."""
+    takes the finished one in ``source/warmstart-<key>``, and writes it to
+    ``SHIPPED/warmstart-<key>``; with ``check``, compares it with the shipped files byte for
+    byte instead (``stats.json`` holds the seconds it took: not compared). Returns 1 when one
+    differs."""
     import tempfile
 
     from tppo_jax.config import load_config
@@ -329,12 +333,13 @@ def ship(names: list[str], check: bool, source: Path | None = None) -> int:
                     raise SystemExit(f"{done}: no finished warm-start of {name} (key {key})")
                 _copy_files(done, built)
             _canonical_tokenizer(built, key)
+            out = SHIPPED / f"warmstart-{key}"
             if not check:
-                _copy_files(built, SHIPPED / key)
-                print(f"{name}: wrote {SHIPPED / key}")
+                _copy_files(built, out)
+                print(f"{name}: wrote {out}")
                 continue
             differ = [f for f in CACHE_FILES if f != "stats.json"
-                      and (SHIPPED / key / f).read_bytes() != (built / f).read_bytes()]
+                      and (out / f).read_bytes() != (built / f).read_bytes()]
             bad += bool(differ)
             print(f"{name} ({key}): " + (f"DIFFERS in {', '.join(differ)}" if differ
                                          else "identical to the shipped files"))
