@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 RUN_SUBDIR = "warmstart"  # the run directory's own copy of its warm-start
 
 # The shipped warm-starts: a folder per key named as its cache folder ("warmstart-<key>": not
-# a Python identifier, so setuptools ships it as data, not as a package), holding what
-# ``_train`` writes to a cache.
+# a Python identifier, so setuptools ships it as the package's data), holding what ``_train``
+# writes to a cache.
 SHIPPED = Path(__file__).resolve().parents[1] / "warmstarts"
 SHIPPED_CONFIGS = ("default", "longtail")  # the configs whose warm-starts ship
 # A cache folder's files, as ``_train`` writes them (DONE last).
