@@ -6,7 +6,7 @@
     summary["eval_after"]["accuracy"]                  # percent
 
 ``fit`` is what ``tppo train`` runs (same run directory, claim, checkpoints, metrics and
-summary), minus the command line's printing. It works from a plain script without an
+summary, and the same before -> after line at the end). It works from a plain script without an
 ``if __name__ == "__main__":`` guard: the grading workers never re-run the script
 (``rewards/workers.py``).
 """
@@ -36,7 +36,7 @@ def fit(config: Config | str | Path | None = None, run_dir: str | Path | None = 
         --resume`` does: with the run's own ``config.yaml`` (``overrides`` on top; a named
         ``config``'s differences from it), refusing a change to a key the checkpoints, the
         warm-start or the data order depend on.
-      progress: progress bars.
+      progress: progress bars and the held-out accuracy's before -> after line.
 
     Returns:
       ``{"eval_before", "eval_after", "steps", "preempted", "train_seconds", "run_dir"}``;
@@ -66,10 +66,13 @@ def fit(config: Config | str | Path | None = None, run_dir: str | Path | None = 
             # a named config's differences from it); a Config is checked by the Trainer.
             cfg = (resume_config(str(run_dir), None if config is None else str(config), ov)
                    if resume else None) or load_config(config, ov)
-        return train(cfg, run_dir, resume=resume, progress=progress)
+        summary = train(cfg, run_dir, resume=resume, progress=progress)
     except ConfigError as e:
         e.args = (api_terms(str(e)),)  # RunDirError too: the API's words for the CLI's flags
         raise
+    if progress and not summary["preempted"]:
+        print(before_after(cfg, summary), flush=True)
+    return summary
 
 
 # The command line's flags in a refusal's advice, as ``fit``'s arguments.
@@ -84,6 +87,16 @@ def api_terms(message: str) -> str:
     for pattern, repl in _API_TERMS:
         message = pattern.sub(repl, message)
     return message
+
+
+def before_after(cfg: Config, summary: dict[str, Any]) -> str:
+    """The line a finished run ends with: held-out accuracy before -> after training."""
+    b, a = summary["eval_before"], summary["eval_after"]
+    return (f"held-out accuracy, avg@{cfg.train.eval_samples} sampled at "
+            f"T={cfg.rollout.temperature}: {b['accuracy']:.1f}% -> {a['accuracy']:.1f}%; "
+            f"greedy: {b['greedy_accuracy']:.1f}% -> {a['greedy_accuracy']:.1f}%  "
+            f"({summary['steps']} steps, {summary['train_seconds']:.0f} s, "
+            f"run dir {summary['run_dir']})")
 
 
 def _override_list(overrides: list[str] | dict[str, Any] | None) -> list[str]:

@@ -87,8 +87,45 @@ def test_notebook_text_matches_the_configs_and_installs_jax_tpu():
     default = load_config("default")
     assert (int(m.group(1)), int(m.group(2))) == (default.train.warmstart_steps,
                                                   default.train.steps)
-    install = next(c.source for c in nb.cells if c.cell_type == "code" and "%pip" in c.source)
-    tpu = install.split("if on_tpu_runtime():", 1)
-    assert len(tpu) == 2 and '%pip install -q "jax[tpu]"' in tpu[1].splitlines()[1]
-    assert "COLAB_TPU_ADDR" in install and "pyproject.toml" in install
     assert "tppo_jax.fit(" in "\n".join(c.source for c in nb.cells)
+    assert 'load_config("quick"' in "\n".join(c.source for c in nb.cells)
+
+
+def _install_helpers(tmp_path, monkeypatch, source: str) -> dict:
+    """The install cell's definitions (everything before its first pip call), run from a
+    folder that is not a checkout with ``TPPO_SOURCE`` set to ``source``."""
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    install = next(c.source for c in nb.cells if c.cell_type == "code" and "%pip" in c.source)
+    assert 'TPPO_SOURCE = ""' in install.splitlines()[:10]  # one variable, at the top
+    head = install.split("if importlib.util.find_spec", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TPPO_REPO_URL", raising=False)
+    ns: dict = {}
+    exec(head.replace('TPPO_SOURCE = ""', f"TPPO_SOURCE = {source!r}", 1), ns)
+    return ns
+
+
+def test_the_install_cell_installs_the_source_it_is_given(tmp_path, monkeypatch):
+    import tomllib
+
+    for var in ("COLAB_TPU_ADDR", "TPU_NAME"):
+        monkeypatch.delenv(var, raising=False)
+    ns = _install_helpers(tmp_path, monkeypatch, "https://example.org/tppo-jax.git")
+    if ns["on_tpu_runtime"]():
+        pytest.skip("this machine looks like a TPU VM")
+    assert ns["requirement"]() == "'tppo-jax @ git+https://example.org/tppo-jax.git'"
+    ns = _install_helpers(tmp_path, monkeypatch, "dist/tppo_jax-0.1.0-py3-none-any.whl")
+    monkeypatch.setenv("COLAB_TPU_ADDR", "10.0.0.2:8470")
+    # On TPU: the package's [tpu] extra, which pins jax[tpu] to the project's jax.
+    assert ns["requirement"]() == "'dist/tppo_jax-0.1.0-py3-none-any.whl[tpu]'"
+    pyproject = tomllib.loads((NOTEBOOK.parents[1] / "pyproject.toml").read_text())
+    (pin,) = pyproject["project"]["optional-dependencies"]["tpu"]
+    assert pin.startswith("jax[tpu]==")
+
+
+def test_the_install_cell_without_a_source_says_so_in_one_line(tmp_path, monkeypatch):
+    ns = _install_helpers(tmp_path, monkeypatch, "")
+    with pytest.raises(SystemExit) as e:
+        ns["requirement"]()
+    msg = str(e.value)
+    assert "\n" not in msg and "TPPO_SOURCE" in msg and "not on PyPI" in msg

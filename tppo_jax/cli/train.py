@@ -101,6 +101,7 @@ def run_files_error(e: OSError, rd: RunDir) -> str | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from tppo_jax.api import before_after
     from tppo_jax.config import load_config
     from tppo_jax.rewards.custom import RewardFnError
     from tppo_jax.runs.checkpoint import CheckpointError
@@ -163,12 +164,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"tppo train: preempted after step {summary['steps']}; checkpoint saved. "
               f"Continue with: tppo train --run-dir {summary['run_dir']} --resume")
         return 0
-    b, a = summary["eval_before"], summary["eval_after"]
-    k = cfg.train.eval_samples
-    print(f"held-out accuracy, avg@{k} sampled at T={cfg.rollout.temperature}: "
-          f"{b['accuracy']:.1f}% -> {a['accuracy']:.1f}%; greedy: {b['greedy_accuracy']:.1f}% -> "
-          f"{a['greedy_accuracy']:.1f}%  ({summary['steps']} steps, "
-          f"{summary['train_seconds']:.0f} s, run dir {summary['run_dir']})")
+    print(before_after(cfg, summary))
     return 0
 
 

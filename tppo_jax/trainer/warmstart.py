@@ -7,6 +7,11 @@ unformatted answers often, which the reward can then fix. The result (tokenizer 
 HF-format weights) is cached by a hash of everything that affects it, so a second run
 skips it, and copied into the run directory (``RUN/warmstart/``): a run directory moved,
 copied or read back from a bucket resumes, evaluates and exports without the cache.
+
+The shipped configs' warm-starts come with the package (``tppo_jax/warmstarts/``, each the
+files of its cache folder): a config whose key matches one starts from it instead
+of training, so the first run of the default spends its minutes on RL. Regenerated (and
+checked) by ``python -m tppo_jax.trainer.warmstart [--check] default longtail``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,15 @@ from tppo_jax.trainer.params import model_key
 log = logging.getLogger(__name__)
 
 RUN_SUBDIR = "warmstart"  # the run directory's own copy of its warm-start
+
+# The shipped warm-starts: a folder per key named as its cache folder ("warmstart-<key>": not
+# a Python identifier, so setuptools ships it as the package's data), holding what ``_train``
+# writes to a cache.
+SHIPPED = Path(__file__).resolve().parents[1] / "warmstarts"
+SHIPPED_CONFIGS = ("default", "longtail")  # the configs whose warm-starts ship
+# A cache folder's files, as ``_train`` writes them (DONE last).
+CACHE_FILES = ("tokenizer.model", "tokenizer.vocab", "policy/config.json",
+               "policy/model.safetensors", "stats.json", "DONE")
 
 TEACHER_SIZE = 20000
 WIDTH_BUCKET = 32  # SFT batches are padded to a multiple of this many tokens
@@ -163,15 +177,36 @@ def _sft_step(model: Transformer, opt: nnx.Optimizer, ids: jax.Array, mask: jax.
     return loss
 
 
+def shipped(cfg: Config) -> Path | None:
+    """The package's own warm-start for ``cfg`` (``SHIPPED/warmstart-<key>``), None when none
+    ships."""
+    folders = (SHIPPED / f"warmstart-{k}" for k in accepted_keys(cfg))
+    return next((f for f in folders if (f / "DONE").is_file()), None)
+
+
 def cached(cfg: Config, cache_root: Path, *, progress: bool = True) -> Path:
-    """The shared cache folder of ``cfg``'s warm-start, trained first if missing."""
+    """The shared cache folder of ``cfg``'s warm-start: copied from the package's shipped
+    one when its key matches, else trained first if missing."""
     caches = [Path(cache_root) / f"warmstart-{k}" for k in accepted_keys(cfg)]
     done = next((c for c in caches if (c / "DONE").exists()), None)
     if done is not None:
         log.info("warm-start: reusing %s", done)
         return done
+    ship = shipped(cfg)
+    if ship is not None:
+        cache = Path(cache_root) / ship.name
+        log.info("warm-start: the shipped one (%s), copied to %s", ship, cache)
+        _copy_files(ship, cache)
+        return cache
     _train(cfg, caches[0], progress)
     return caches[0]
+
+
+def _copy_files(src: Path, dst: Path) -> None:
+    """A finished warm-start's ``CACHE_FILES`` from ``src`` into ``dst``, ``DONE`` last."""
+    for name in CACHE_FILES:
+        (dst / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / name, dst / name)
 
 
 def warmstart(cfg: Config, cache_root: Path, *, progress: bool = True, mesh=None
@@ -272,3 +307,66 @@ def _train(cfg: Config, cache: Path, progress: bool) -> None:
         {"final_loss": float(loss), "seconds": time.time() - t0, "vocab": tok.vocab_size,
          "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))))}))
     done.write_text("ok")
+
+
+def ship(names: list[str], check: bool, source: Path | None = None) -> int:
+    """Trains each named config's warm-start afresh (no cache, nothing shipped read), or
+    takes the finished one in ``source/warmstart-<key>``, and writes it to
+    ``SHIPPED/warmstart-<key>``; with ``check``, compares it with the shipped files byte for
+    byte instead (``stats.json`` holds the seconds it took: not compared). Returns 1 when one
+    differs."""
+    import tempfile
+
+    from tppo_jax.config import load_config
+
+    bad = 0
+    for name in names:
+        cfg = load_config(name)
+        key = warmstart_key(cfg)
+        with tempfile.TemporaryDirectory() as tmp:
+            built = Path(tmp) / key
+            if source is None:
+                _train(cfg, built, progress=True)
+            else:
+                done = Path(source) / f"warmstart-{key}"
+                if not (done / "DONE").is_file():
+                    raise SystemExit(f"{done}: no finished warm-start of {name} (key {key})")
+                _copy_files(done, built)
+            _canonical_tokenizer(built, key)
+            out = SHIPPED / f"warmstart-{key}"
+            if not check:
+                _copy_files(built, out)
+                print(f"{name}: wrote {out}")
+                continue
+            differ = [f for f in CACHE_FILES if f != "stats.json" and not (
+                (out / f).is_file() and (out / f).read_bytes() == (built / f).read_bytes())]
+            bad += bool(differ)
+            print(f"{name} ({key}): " + (f"DIFFERS in {', '.join(differ)}" if differ
+                                         else "identical to the shipped files"))
+    return int(bad > 0)
+
+
+def _canonical_tokenizer(folder: Path, key: str) -> None:
+    """Sets the path a sentencepiece model records as its training prefix (the cache folder
+    it was trained in: its only machine-dependent bytes) to ``runs/warmstart-<key>/tokenizer``,
+    what a checkout's first ``tppo train`` records, so shipped bytes name no build machine."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString((folder / "tokenizer.model").read_bytes())
+    proto.trainer_spec.model_prefix = f"runs/warmstart-{key}/tokenizer"
+    (folder / "tokenizer.model").write_bytes(proto.SerializeToString())
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="train the shipped configs' warm-starts into "
+                                 "tppo_jax/warmstarts/ (or --check them against it)")
+    ap.add_argument("configs", nargs="*", default=list(SHIPPED_CONFIGS))
+    ap.add_argument("--check", action="store_true", help="compare, write nothing")
+    ap.add_argument("--from", dest="source", type=Path, default=None, metavar="CACHE_ROOT",
+                    help="take the finished warm-starts in CACHE_ROOT/warmstart-<key> (e.g. "
+                    "runs/) instead of training them")
+    a = ap.parse_args()
+    raise SystemExit(ship(a.configs, a.check, a.source))

@@ -1,0 +1,2 @@
+"""Data only: the shipped configs' supervised warm-starts, one ``warmstart-<key>/`` folder each
+(``tppo_jax/trainer/warmstart.py``: ``SHIPPED``, ``shipped``, ``ship``)."""
