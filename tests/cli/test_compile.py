@@ -204,3 +204,23 @@ def test_a_critic_sharing_the_lora_base_counts_only_its_own_leaves(devices8):
     head = live[0]["value_params"] - live[0]["policy_params"]
     adapters = live[4]["policy_params"] - live[0]["policy_params"]
     assert 0 < head < 100 and live[4]["value_params"] == adapters + head
+
+
+def test_a_critic_free_run_builds_no_value_programs_or_state(devices8):
+    """``algo.advantage_baseline: rloo`` needs no critic: no value model is laid out, no
+    ``value_*`` or ``targets[w=...]`` program is built, the live state holds no critic."""
+    from tppo_jax.compile import build_programs
+    from tppo_jax.config import load_config
+    from tppo_jax.parallel.mesh import make_mesh
+
+    mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1}, devices8)
+    names = {}
+    for est in ("critic", "rloo"):
+        cfg = load_config("smoke", [*SMALL, f"algo.advantage_baseline={est}"])
+        programs, live, _ = build_programs(cfg, mesh)
+        names[est] = {p.name for p in programs}
+        assert ("value_params" in live) == (est == "critic")
+    assert any(n.startswith("value_update") for n in names["critic"])
+    assert not any(n.startswith(("value", "targets[")) for n in names["rloo"])
+    assert "targets_finish" in names["rloo"] and "policy_apply" in names["rloo"]
+    assert names["rloo"] < names["critic"]
