@@ -87,9 +87,10 @@ def test_oversized_config_is_refused_in_one_line(capsys):
 @needs_libtpu
 def test_launch_refuses_what_does_not_fit(capsys):
     argv = ["launch", "--config", "smoke", "--tpu-type", "v5litepod-4", "--dry-run",
-            *OVERSIZED]
+            "--compile", *OVERSIZED]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
+    assert any(x.startswith("tppo launch: fit check: compiling ") for x in err)  # progress
     assert err[-1].startswith("tppo launch: smoke does not fit v5litepod-4")
     assert "--force" in err[-1]
     assert cli.main([*argv, "--force"]) == 0
