@@ -169,6 +169,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Prints the per-chip memory table (or JSON); exit 0 whether or not it fits. With
     ``--compile``: the compiled report; exit 0 fits, 1 does not fit, 2 error."""
+    from pathlib import Path
+
     from tppo_jax.config import ConfigError, load_config
     from tppo_jax.launch import LaunchError
     from tppo_jax.plan import format_plan, plan_memory
@@ -181,7 +183,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (LaunchError, ConfigError, ValueError) as e:
         print(f"tppo plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(p, indent=1) if args.json else format_plan(p))
+    print(json.dumps(p, indent=1) if args.json
+          else format_plan(p, config_name=Path(args.config).stem))
     return 0
 
 
