@@ -327,12 +327,30 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tag = protocol_tag(protocol.to_dict(), greedy=args.greedy)
     out = Path(args.out or run_dir / f"eval_{name}{size}_{tag}.json")
     out.write_text(json.dumps(res, indent=2))
-    print(json.dumps(res))
+    print(eval_summary(res, run_dir))
+    print(f"wrote {out}")
     warn = no_answer_warning(res.get("no_answer"),
                              answer_format_for(cfg.data.format, cfg.reward.answer_format))
     if warn:
         print(warn, file=sys.stderr)
     return 0
+
+
+def eval_summary(res: dict, run_dir: Path) -> str:
+    """One line of ``tppo eval``'s result: which policy, how many questions, the protocol
+    and its accuracies (the JSON file holds the rest)."""
+    k = res["k"]
+    who = "start" if res.get("start") else f"step {res['step']}"
+    if res.get("greedy"):
+        how, scores = "greedy", f"accuracy {res['avg@1']:.1f}%"
+    else:
+        pr = res["protocol"]
+        how = (f"{pr['name']} protocol, k={k}, temperature {pr['temperature']:g}, "
+               f"top_p {pr['top_p']:g}")
+        scores = f"avg@{k} {res[f'avg@{k}']:.1f}%, pass@{k} {res[f'pass@{k}']:.1f}%"
+    extra = f", no answer {res['no_answer']:.1f}%" if res.get("no_answer") else ""
+    return (f"{run_dir.name} {who}: {res['questions']} held-out questions, {how}: "
+            f"{scores}{extra}")
 
 
 def _show_samples(policy, tok, rows, prompts, grader, sampling, lens, engines,
