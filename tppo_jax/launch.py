@@ -260,9 +260,10 @@ def _install_steps(spec: LaunchSpec, steps: list[Step]) -> None:
         tarball = f"/tmp/{spec.name}.tar.gz"
         # A tarball, not `scp --recurse` of the tree: one file per worker, and .venv/runs stay
         # behind (the workers build their own venv).
-        steps.append(Step("package this checkout (without .venv, runs, .git)",
+        steps.append(Step("package this checkout (without .venv, runs, wandb, .git)",
                           ("tar", "-czf", tarball, "--exclude=./.venv", "--exclude=./runs",
-                           "--exclude=./.git", "--exclude=__pycache__", "-C",
+                           "--exclude=./wandb", "--exclude=./.git", "--exclude=__pycache__",
+                           "-C",
                            str(spec.local_root), ".")))
         steps.append(Step("copy it to every worker",
                           _gcloud(spec, "compute", "tpus", "tpu-vm", "scp", tarball,

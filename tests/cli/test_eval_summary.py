@@ -16,3 +16,24 @@ def test_sampled_and_greedy_summaries():
               "avg@1": 97.64, "pass@1": 97.64, "no_answer": 1.57, "protocol": None}
     assert eval_summary(greedy, Path("r1")) == (
         "r1 start: 127 held-out questions, greedy: accuracy 97.6%, no answer 1.6%")
+
+
+def test_an_export_has_a_tokenizer_config_naming_the_tokenizer(tmp_path):
+    """``tppo export`` writes ``tokenizer_config.json`` when the run's tokenizer has none
+    (the tiny model's sentencepiece): the class transformers loads ``tokenizer.model`` with
+    and its special tokens, which our own loader reads back to the same ids."""
+    import shutil
+
+    from tppo_jax.cli.runs import hf_tokenizer_config
+    from tppo_jax.models.tokenizer import Tokenizer, train_sentencepiece
+
+    tok = train_sentencepiece(["1 + 2 = 3\n", "so the answer is \\boxed{3}\n"] * 20,
+                              tmp_path / "sp" / "tokenizer", vocab_size=40)
+    cfg = hf_tokenizer_config(tok)
+    assert cfg["tokenizer_class"] == "LlamaTokenizer" and cfg["legacy"] is True
+    assert (cfg["bos_token"], cfg["eos_token"], cfg["pad_token"], cfg["unk_token"]) == (
+        "<s>", "</s>", "<pad>", "<unk>")
+    assert cfg["add_bos_token"] is False and cfg["add_eos_token"] is False
+    shutil.copy(tmp_path / "sp" / "tokenizer.model", tmp_path / "tokenizer.model")
+    again = Tokenizer.load(tmp_path)
+    assert (again.bos_id, again.eos_id, again.pad_id) == (tok.bos_id, tok.eos_id, tok.pad_id)

@@ -271,6 +271,10 @@ def test_dry_run_checks_the_fit_with_the_arithmetic_plan_at_once(capsys, monkeyp
                  "--dry-run"]) == 0
     out, err = capsys.readouterr()
     assert "tpu-vm create" in out
+    # Nothing a run writes locally travels with the code (W&B's offline folder included)
+    [tar] = find(commands(out), "tar")
+    assert {"--exclude=./runs", "--exclude=./wandb", "--exclude=./.venv"} <= set(tar)
+    assert "wandb/" in (ROOT / ".gitignore").read_text().split()
     assert "fit check: arithmetic plan" in err and "--compile" in err
 
 

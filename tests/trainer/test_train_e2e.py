@@ -90,6 +90,8 @@ def test_smoke_train_then_resume(tmp_path):
 
     model = from_pretrained(tmp_path / "hf")
     tok = Tokenizer.load(tmp_path / "hf")
+    hf_tok = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert hf_tok["tokenizer_class"] == "LlamaTokenizer" and hf_tok["eos_token"] == "</s>"
     assert model.config.vocab_size == tok.vocab_size
 
     # Numerical fault injection: NaN advantages/returns from step 2 on. Every such update is

@@ -412,11 +412,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (tok_file.parent / name).exists():
             shutil.copy(tok_file.parent / name, out / name)
+    if not (out / "tokenizer_config.json").exists():  # e.g. the tiny model's sentencepiece
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(hf_tokenizer_config(tok), indent=2) + "\n")
     # transformers' generate stops only on the ids these files name (the tokenizer's own).
     write_special_ids(out, bos_id=tok.bos_id, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
     what = "the starting policy" if args.start else f"policy of step {step}"
     print(f"exported {what} to {out}")
     return 0
+
+
+def hf_tokenizer_config(tok: Any) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` transformers' ``AutoTokenizer`` reads to load the
+    exported tokenizer: its class (a sentencepiece ``tokenizer.model``: ``LlamaTokenizer``,
+    sentencepiece's own encoding with ``legacy``; a ``tokenizer.json``:
+    ``PreTrainedTokenizerFast``), its special tokens, whether prompts start with BOS, and the
+    chat template."""
+    sp = tok.backend == "sentencepiece"
+    piece = tok._impl.id_to_piece if sp else tok._impl.id_to_token
+
+    def text(i: int | None) -> str | None:
+        return None if i is None else piece(int(i))
+
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "LlamaTokenizer" if sp else "PreTrainedTokenizerFast",
+        "bos_token": text(tok.bos_id), "eos_token": text(tok.eos_id),
+        "pad_token": text(tok.pad_id), "add_bos_token": bool(tok.add_bos),
+        "add_eos_token": False}
+    if sp:
+        cfg.update(unk_token=text(tok._impl.unk_id()), legacy=True)
+    if tok.chat_template:
+        cfg["chat_template"] = tok.chat_template
+    return cfg
 
 
 def _convert_args(p: argparse.ArgumentParser) -> None:
