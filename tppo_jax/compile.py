@@ -146,6 +146,7 @@ def abstract_models(cfg: Config, mesh: Any, mc: Any = None) -> dict[str, Any]:
     a shared base), each as ``(graphdef, params)`` with params a pure dict of
     ``ShapeDtypeStruct``s laid out on ``mesh`` by their logical axes (``nnx.eval_shape``: no
     weights are made)."""
+    from tppo_jax.learner.estimators import needs_critic
     from tppo_jax.models.lora import add_lora, lora_spec
     from tppo_jax.models.transformer import Transformer, param_shardings
     from tppo_jax.models.value import ValueModel
@@ -166,6 +167,9 @@ def abstract_models(cfg: Config, mesh: Any, mc: Any = None) -> dict[str, Any]:
         return graphdef, nnx.to_pure_dict(placed), state
 
     pdef, pparams, pstate = build(Transformer, cfg.train.seed, spec is not None)
+    if not needs_critic(cfg.algo):  # a critic-free estimator: no value model
+        return {"policy": (pdef, pparams), "value": (None, None), "policy_state": pstate,
+                "config": mc}
     vdef, vparams, _ = build(ValueModel, cfg.train.seed + 1,
                              spec is not None and cfg.model.value_lora)
     if shares_base(cfg):
@@ -235,7 +239,8 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     learner_cfg = LearnerConfig.from_config(cfg)
     tx_p, tx_v = policy_optimizer(o), value_optimizer(o)
     popt = abstract_opt_state(tx_p, trained_part(pparams, keep_p), mesh)
-    vopt = abstract_opt_state(tx_v, trained_part(vparams, keep_v), mesh)
+    critic = vdef is not None  # else a critic-free estimator: no value programs
+    vopt = abstract_opt_state(tx_v, trained_part(vparams, keep_v), mesh) if critic else None
     learner = Learner(pdef, vdef, learner_cfg, mesh=mesh,
                       state=TrainState(pparams, vparams, popt, vopt), trainable=(keep_p, keep_v))
     rows_sh, rep = batch_spec(mesh), NamedSharding(mesh, PartitionSpec())
@@ -246,8 +251,10 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
 
     # A critic sharing the policy's frozen base (LoRA) holds only its own leaves
     shared = per_chip_bytes(split_trainable(pparams["backbone"])[1]) if shares_base(cfg) else 0
-    live = {"policy_params": per_chip_bytes(pparams), "policy_opt": per_chip_bytes(popt),
-            "value_params": per_chip_bytes(vparams) - shared, "value_opt": per_chip_bytes(vopt)}
+    live = {"policy_params": per_chip_bytes(pparams), "policy_opt": per_chip_bytes(popt)}
+    if critic:
+        live.update(value_params=per_chip_bytes(vparams) - shared,
+                    value_opt=per_chip_bytes(vopt))
     ref = None
     if cfg.algo.kl_coef > 0 and keep_p is None:  # setup.reference_copy
         ref = pparams
@@ -258,7 +265,8 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
 
     for kind, params, opt, keep in (("policy", pparams, popt, keep_p),
                                     ("value", vparams, vopt, keep_v)):
-        if f"{kind}_update" not in want and f"{kind}_apply" not in want:
+        if (f"{kind}_update" not in want and f"{kind}_apply" not in want
+                or kind == "value" and not critic):
             continue
         upd = learner.policy if kind == "policy" else learner.value
         from tppo_jax.models.lora import split_trainable
@@ -289,7 +297,7 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
                 {}, (f"{kind}_params", f"{kind}_opt")))
 
     if "targets" in want:
-        for w in widths:
+        for w in widths if critic else ():
             rows = group_rows(w, max_rows, unit)
             grp = _rows_batch(TokenRows, rows, w, rows_sh)
             programs.append(Program(f"targets[w={w}]", "targets",

@@ -117,7 +117,9 @@ class AlgoConfig:
     # The advantage estimator, by its registered name (learner/estimators.py): "critic" =
     # EGAE on the critic's values; "group" = a finished row's reward minus the mean reward of
     # its prompt's other samples that finished in the same step (leave-one-out, as
-    # RLOO/GRPO), where there is one; EGAE otherwise, and on every unfinished window
+    # RLOO/GRPO), where there is one; EGAE otherwise, and on every unfinished window; "rloo" =
+    # the same without a critic (none is built): a finished row's whole response, 0 with no
+    # sibling (learner/estimators.py)
     advantage_baseline: str = "critic"
     # The critic's output bias before its first update: "zero", or "mean_reward" = the mean
     # reward of that first rollout's finished rows, so V starts at the returns' scale rather

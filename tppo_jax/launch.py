@@ -248,7 +248,7 @@ def _create_steps(spec: LaunchSpec, steps: list[Step]) -> None:
         steps.append(Step("wait until the queued resource is ACTIVE",
                           _gcloud(spec, "compute", "tpus", "queued-resources", "describe",
                                   spec.name, "--format", "value(state.state)"),
-                          wait_for="ACTIVE", fail_states=("FAILED", "SUSPENDED")))
+                          wait_for="ACTIVE", fail_states=("FAILED", "SUSPENDED", "DELETING")))
     else:
         create = ["compute", "tpus", "tpu-vm", "create", spec.name,
                   "--accelerator-type", t.name, "--version", t.runtime]
@@ -259,7 +259,9 @@ def _create_steps(spec: LaunchSpec, steps: list[Step]) -> None:
         steps.append(Step("wait until the TPU VM is READY",
                           _gcloud(spec, "compute", "tpus", "tpu-vm", "describe", spec.name,
                                   "--format", "value(state)"),
-                          wait_for="READY", fail_states=("PREEMPTED", "TERMINATED", "STOPPED")))
+                          wait_for="READY",
+                          fail_states=("FAILED", "PREEMPTED", "TERMINATED", "STOPPED",
+                                       "DELETING")))
 
 
 def _install_steps(spec: LaunchSpec, steps: list[Step]) -> None:
@@ -271,9 +273,10 @@ def _install_steps(spec: LaunchSpec, steps: list[Step]) -> None:
         tarball = f"/tmp/{spec.name}.tar.gz"
         # A tarball, not `scp --recurse` of the tree: one file per worker, and .venv/runs stay
         # behind (the workers build their own venv).
-        steps.append(Step("package this checkout (without .venv, runs, .git)",
+        steps.append(Step("package this checkout (without .venv, runs, wandb, .git)",
                           ("tar", "-czf", tarball, "--exclude=./.venv", "--exclude=./runs",
-                           "--exclude=./.git", "--exclude=__pycache__", "-C",
+                           "--exclude=./wandb", "--exclude=./.git", "--exclude=__pycache__",
+                           "-C",
                            str(spec.local_root), ".")))
         steps.append(Step("copy it to every worker",
                           _gcloud(spec, "compute", "tpus", "tpu-vm", "scp", tarball,
@@ -335,22 +338,28 @@ def delete_step(spec: LaunchSpec) -> Step:
     return Step(f"delete {spec.name}", argv)
 
 
-def wait_shell(step: Step, interval_s: int = 30) -> str:
-    """A ``wait_for`` step as one shell line (dry-run output)."""
+def wait_shell(step: Step, interval_s: int = 30, timeout_s: float = 3600.0) -> str:
+    """A ``wait_for`` step as one shell line (dry-run output): polls until the state is
+    reached; a failure state, or ``timeout_s`` seconds without it, exits 1 with one line."""
     fail = "|".join(step.fail_states) or "__never__"
-    return (f"until s=\"$({shlex.join(step.argv)})\"; [ \"$s\" = {step.wait_for} ]; do "
-            f"case \"$s\" in {fail}) echo \"state $s\" >&2; exit 1;; esac; "
+    limit = int(timeout_s)
+    return (f"t0=$SECONDS; until s=\"$({shlex.join(step.argv)})\"; [ \"$s\" = {step.wait_for} ]; "
+            f"do case \"$s\" in {fail}) echo \"state $s\" >&2; exit 1;; esac; "
+            f"if [ $((SECONDS - t0)) -ge {limit} ]; then "
+            f"echo \"still ${{s:-not found}} after {limit} s\" >&2; exit 1; fi; "
             f"sleep {interval_s}; done")
 
 
-def render(spec: LaunchSpec, steps: Sequence[Step]) -> str:
-    """The launch as a shell script: a comment per step, then its command line."""
+def render(spec: LaunchSpec, steps: Sequence[Step], *, wait_timeout_s: float = 3600.0) -> str:
+    """The launch as a shell script: a comment per step, then its command line (a wait
+    gives up after ``wait_timeout_s``)."""
     t = spec.tpu
     lines = [f"# tppo launch: {spec.config} on {t.name} ({t.chips} chips, {t.hosts} hosts, "
              f"runtime {t.runtime}) in {spec.zone}; run dir {spec.resolved_run_dir}"]
     for i, s in enumerate(steps, 1):
         lines.append(f"# {i}. {s.title}")
-        lines.append(wait_shell(s) if s.wait_for else shlex.join(s.argv))
+        lines.append(wait_shell(s, timeout_s=wait_timeout_s) if s.wait_for
+                     else shlex.join(s.argv))
     return "\n".join(lines) + "\n"
 
 
@@ -405,7 +414,8 @@ def run_steps(spec: LaunchSpec, steps: Sequence[Step], *, runner: Runner | None 
     created = False
     failed = False
     for i, step in enumerate(steps, 1):
-        shown = wait_shell(step) if step.wait_for else shlex.join(step.argv)
+        shown = (wait_shell(step, timeout_s=wait_timeout_s) if step.wait_for
+                 else shlex.join(step.argv))
         print(f"[launch] {i}/{len(steps)} {step.title}\n$ {shown}", file=sys.stderr, flush=True)
         try:
             if step.wait_for:

@@ -33,6 +33,7 @@ Model (bytes per chip):
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -343,8 +344,88 @@ def _gib(b: float) -> str:
     return f"{b / GIB:,.2f} GiB"
 
 
-def format_plan(p: dict[str, Any]) -> str:
-    """The plan as a fixed-width table with a verdict and hints."""
+# The arithmetic plan against the TPU compiler on the shipped configs (results/compiled_*.json,
+# launch/README.md's table; tests/test_docs.py holds both to these): the compiled worst
+# program's per-chip residency over this plan's total, lowest and highest. Neither bound holds:
+# the compiler's rollout programs keep buffers (decode state, KV pages over the whole pool)
+# that the arithmetic does not count, and its update programs need less than the arithmetic's
+# activations.
+SHIPPED_RATIO = (0.83, 4.34)
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # a checkout's measurements
+
+
+def compiled_match(p: dict[str, Any], config_name: str) -> tuple[Path, dict[str, Any]] | None:
+    """``(file, report)`` of the compiled plan in ``results/`` made for this plan's config,
+    slice, mesh, lengths and LoRA rank (``tppo plan --compile --out``), or None."""
+    rank = p["lora"]["rank"] if p["lora"] else 0
+    for f in sorted(RESULTS.glob("compiled_*.json")):
+        try:
+            d = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if (d.get("config") == config_name and d.get("topology") == p["tpu"]
+                and d.get("mesh") == p["mesh"] and d.get("seq_len") == p["seq_len"]
+                and d.get("model", {}).get("lora_rank") == rank and d.get("programs")
+                and d.get("live") is not None):
+            return f, d
+    return None
+
+
+def compiled_lines(p: dict[str, Any], config_name: str = "") -> list[str]:
+    """What to trust: the compiled plan, how far apart the two were on the shipped configs,
+    and the compiled figure of this very config when ``results/`` holds it."""
+    lo, hi = SHIPPED_RATIO
+    lines = [f"an estimate: the compiled plan (--compile: the TPU compiler's own buffers) is the "
+             f"one to trust; on the shipped configs its worst program held {lo:.2f}x to "
+             f"{hi:.2f}x this total (launch/README.md)"]
+    found = compiled_match(p, config_name) if config_name else None
+    if found is not None:
+        f, d = found
+        worst = max(d["programs"], key=lambda r: r.get("resident", 0))
+        lines.append(f"compiled ({f.parent.name}/{f.name}, libtpu {d.get('libtpu')}): "
+                     f"{worst['name']} {_gib(worst['resident'])} of {_gib(d['hbm_per_chip'])} "
+                     f"per chip, {worst['resident'] / p['total_bytes']:.2f}x this total")
+    return lines
+
+
+def shipped_comparison() -> list[dict[str, Any]]:
+    """The arithmetic plan beside every compiled plan in ``results/`` (``compiled_*.json``
+    with a memory report): one row per file, for launch/README.md's table and
+    ``SHIPPED_RATIO``."""
+    from tppo_jax.config import load_config
+
+    rows = []
+    for f in sorted(RESULTS.glob("compiled_*.json")):
+        d = json.loads(f.read_text())
+        if not d.get("live") or not d.get("programs"):
+            continue  # the per-layer unit costs: no memory report
+        rank = d["model"]["lora_rank"]
+        overrides = [f"model.lora_rank={rank}"] if rank else []
+        p = plan_memory(load_config(d["config"], overrides), d["topology"])
+        worst = max(d["programs"], key=lambda r: r.get("resident", 0))
+        rows.append({"file": f.name, "config": d["config"], "overrides": overrides,
+                     "topology": d["topology"], "arithmetic_gib": p["total_bytes"] / GIB,
+                     "worst": worst["name"], "compiled_gib": worst["resident"] / GIB,
+                     "hbm_gib": d["hbm_per_chip"] / GIB,
+                     "ratio": worst["resident"] / p["total_bytes"]})
+    return rows
+
+
+def shipped_table(rows: list[dict[str, Any]] | None = None) -> str:
+    """launch/README.md's table of ``shipped_comparison`` (markdown)."""
+    out = ["| config | slice | arithmetic (`tppo plan`) | compiled worst program (`--compile`) "
+           "| compiled / arithmetic |", "|---|---|---|---|---|"]
+    for r in rows if rows is not None else shipped_comparison():
+        name = " ".join([f"`{r['config']}`", *(f"`{o}`" for o in r["overrides"])])
+        out.append(f"| {name} | {r['topology']} | {r['arithmetic_gib']:.2f} GiB | "
+                   f"`{r['worst']}` {r['compiled_gib']:.2f} of {r['hbm_gib']:.2f} GiB | "
+                   f"{r['ratio']:.2f}x |")
+    return "\n".join(out)
+
+
+def format_plan(p: dict[str, Any], config_name: str = "") -> str:
+    """The plan as a fixed-width table with a verdict and hints (``config_name``: the
+    compiled figure of that config from ``results/`` when there is one)."""
     m, a = p["mesh"], p["arch"]
     lines = [
         f"{a['name']} ({p['n_params_policy'] / 1e9:.2f}B params, {p['dtype']}) on {p['tpu']}: "
@@ -365,10 +446,12 @@ def format_plan(p: dict[str, Any]) -> str:
     lines.append(f"{'verdict':<40}{verdict:>16}")
     lines.append("")
     lines.append(f"KV pages that fit next to the rest: rollout.num_pages <= {p['max_num_pages']:,}"
-                 f" (0 = full reservation, {p['kv_tokens']:,} tokens)")
+                 f" (this plan: {p['kv_tokens']:,} tokens; 0 reserves every slot's full "
+                 f"length)")
     lines.append(f"not in the total: dense attention scores would add "
                  f"{_gib(p['notes']['dense_attention_scores_bytes'])} per chip "
                  f"(the total assumes a flash/splash attention kernel)")
+    lines += compiled_lines(p, config_name)
     return "\n".join(lines)
 
 

@@ -99,9 +99,10 @@ def test_oversized_config_is_refused_in_one_line(capsys):
 @needs_libtpu
 def test_launch_refuses_what_does_not_fit(capsys):
     argv = ["launch", "--config", "smoke", "--tpu-type", "v5litepod-4", "--dry-run",
-            *OVERSIZED]
+            "--compile", *OVERSIZED]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
+    assert any(x.startswith("tppo launch: fit check: compiling ") for x in err)  # progress
     assert err[-1].startswith("tppo launch: smoke does not fit v5litepod-4")
     assert "--force" in err[-1]
     assert cli.main([*argv, "--force"]) == 0
@@ -301,3 +302,23 @@ def test_a_paged_decode_window_without_the_tpu_kernel_is_an_error():
     with pytest.raises(ConfigError, match="no TPU paged-attention kernel"):
         compile_program(p, {}, 1 << 30, needs_paged=True)
     assert compile_program(p, {}, 1 << 30)["kernels"] == {}
+
+
+def test_a_critic_free_run_builds_no_value_programs_or_state(devices8):
+    """``algo.advantage_baseline: rloo`` needs no critic: no value model is laid out, no
+    ``value_*`` or ``targets[w=...]`` program is built, the live state holds no critic."""
+    from tppo_jax.compile import build_programs
+    from tppo_jax.config import load_config
+    from tppo_jax.parallel.mesh import make_mesh
+
+    mesh = make_mesh({"data": 1, "fsdp": 8, "tensor": 1}, devices8)
+    names = {}
+    for est in ("critic", "rloo"):
+        cfg = load_config("smoke", [*SMALL, f"algo.advantage_baseline={est}"])
+        programs, live, _ = build_programs(cfg, mesh)
+        names[est] = {p.name for p in programs}
+        assert ("value_params" in live) == (est == "critic")
+    assert any(n.startswith("value_update") for n in names["critic"])
+    assert not any(n.startswith(("value", "targets[")) for n in names["rloo"])
+    assert "targets_finish" in names["rloo"] and "policy_apply" in names["rloo"]
+    assert names["rloo"] < names["critic"]

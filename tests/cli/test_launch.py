@@ -271,3 +271,41 @@ def test_control_characters_in_launch_arguments_are_refused(capsys, flag, value)
     assert rc == 2 and out == "" and err.count("\n") == 1, err
     assert "holds a control character" in err
     assert (flag or "a key=value override") in err
+
+
+def test_dry_run_checks_the_fit_with_the_arithmetic_plan_at_once(capsys, monkeypatch):
+    """Without --compile the fit check is the arithmetic plan, libtpu installed or not (the
+    compiled one takes minutes): the script prints at once, the estimate is said on stderr."""
+    import tppo_jax.compile
+
+    def no_compile(*a, **k):
+        raise AssertionError("the dry run compiled")
+
+    monkeypatch.setattr(tppo_jax.compile, "compile_plan", no_compile)
+    assert tppo(["launch", "--config", "qwen25_05b_gsm8k", "--tpu-type", "v5litepod-8",
+                 "--dry-run"]) == 0
+    out, err = capsys.readouterr()
+    assert "tpu-vm create" in out
+    # Nothing a run writes locally travels with the code (W&B's offline folder included)
+    [tar] = find(commands(out), "tar")
+    assert {"--exclude=./runs", "--exclude=./wandb", "--exclude=./.venv"} <= set(tar)
+    assert "wandb/" in (ROOT / ".gitignore").read_text().split()
+    assert "fit check: arithmetic plan" in err and "--compile" in err
+
+
+@pytest.mark.parametrize("state, timeout, message", [
+    ("FAILED", 3600, "state FAILED"), ("CREATING", 0, "still CREATING after 0 s")])
+def test_the_printed_wait_loop_stops_on_failure_and_timeout(state, timeout, message):
+    """The dry-run script's wait loop, run by bash: a failure state or the timeout exits 1
+    with one line (a describe that prints the state stands in for gcloud)."""
+    from tppo_jax.launch import Step, wait_shell
+
+    spec = _spec()
+    [wait] = [s for s in build_steps(spec) if s.wait_for]
+    assert "FAILED" in wait.fail_states
+    step = Step("wait", ("echo", state), wait_for="READY", fail_states=wait.fail_states)
+    out = subprocess.run(["bash", "-c", wait_shell(step, interval_s=0, timeout_s=timeout)],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and out.stderr.strip() == message
+    ok = Step("wait", ("echo", "READY"), wait_for="READY", fail_states=wait.fail_states)
+    assert subprocess.run(["bash", "-c", wait_shell(ok, timeout_s=0)], timeout=30).returncode == 0

@@ -190,7 +190,7 @@ def test_a_hub_model_on_a_named_benchmark_offline(tmp_path, monkeypatch, capsys)
     (["tiny", "--benchmark", "gsm9k"], "--benchmark gsm9k: no such benchmark"),
     (["tiny", "--benchmark", "nope/aime.jsonl", "--format", "math"],
      "--benchmark nope/aime.jsonl: no such file"),
-    (["tiny", "--benchmark", "aime.jsonl"], "give its row format with --format"),
+    (["tiny", "--benchmark", "grade.yaml"], "give its row format with --format"),
     (["missing", "--benchmark", "aime.jsonl", "--format", "math"],
      "model missing: not a directory"),
     (["tiny", "--limit", "3"], "--limit: only with --benchmark"),
@@ -219,3 +219,32 @@ def test_score_is_the_held_out_evals_metrics():
     assert s["grade_error"] == pytest.approx(100 / 12)
     assert standard_error([1.0]) != standard_error([1.0])  # nan below two questions
     assert standard_error([1, 0, 1, 0]) == pytest.approx(np.sqrt(0.25 * 4 / 3 / 4))
+
+
+@pytest.mark.parametrize("rows, fmt", [
+    ([{"question": "1+2?", "answer": "so 3\n#### 3"}] * 3, "gsm8k"),
+    ([{"question": "1+2?", "answer": "3"}], "generic"),
+    ([{"question": "1+2?", "answer": "3 (apples)", "body": "b"}], "asdiv"),
+    ([{"problem": "1+2?", "answer": "3"}], "math"),
+    ([{"prompt": "1+2?", "reward_model": {"ground_truth": "3"}}], "dapo"),
+    ([{"Body": "b", "Question": "q", "Answer": 3}], "svamp"),
+    ([{"question": "1+2?", "answer": "#### 3"}, {"question": "2+2?", "answer": "4"}], None),
+    ([{"q": "1+2?", "a": "3"}], None),
+])
+def test_the_row_format_is_inferred_only_when_the_fields_say_it(tmp_path, rows, fmt):
+    from tppo_jax.cli.eval_benchmark import infer_format
+
+    path = tmp_path / "b.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert infer_format(path) == fmt
+
+
+def test_a_gsm8k_file_needs_no_format(bench_files, scripted, capsys):
+    rows = [{"question": q["problem"], "answer": f"steps\n#### {q['answer']}"} for q in QUESTIONS]
+    (bench_files / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _run("tiny", "--benchmark", "g.jsonl", "--greedy", "--config", "grade.yaml",
+                "--out", "g.json") == 0
+    assert "rows read as --format gsm8k" in capsys.readouterr().err
+    report = json.loads((bench_files / "g.json").read_text())
+    assert report["benchmark"]["format"] == "gsm8k"
+    assert [q["answer"] for q in report["per_question"]] == ["3", "7", "12"]

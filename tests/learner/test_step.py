@@ -93,7 +93,7 @@ def test_registered_estimator_is_the_one_the_targets_read():
         return jnp.zeros_like(w.mask)
 
     try:
-        assert ESTIMATORS["test_zero"] is zero
+        assert ESTIMATORS["test_zero"].fn is zero and ESTIMATORS["test_zero"].needs_critic
         with pytest.raises(ValueError, match="already registered"):
             register_estimator("test_zero")(zero)
         out = compute_targets(values, batch, AlgoConfig(advantage_baseline="test_zero"), 6)

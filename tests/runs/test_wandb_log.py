@@ -210,3 +210,17 @@ def test_held_out_evals_reach_evals_jsonl_tensorboard_and_wandb(tmp_path, wandb_
     h = run["history"]
     assert h[0]["eval_accuracy"] == 10.0 and h[2]["eval_greedy_accuracy"] == 50.0
     assert "eval_mask" not in h[0]
+
+
+def test_tensorboard_tags_are_the_metrics_jsonl_keys(tmp_path):
+    """``avg@4`` keeps its ``@`` in TensorBoard (tensorboardX's add_scalar would write
+    ``avg_4``): one name for a metric in metrics.jsonl, TensorBoard and W&B."""
+    m = MetricsWriter(tmp_path, tensorboard=True)
+    m.write(1, {"eval_avg@4": 62.5, "eval_pass@4": 90.0, "reward_mean": 0.5})
+    m.write_eval(1, "after", {"avg@4": 70.0})
+    m.close()
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    tb = _tb_scalars(tmp_path)
+    assert {k for k in row if k not in ("step", "wall_time")} <= set(tb)
+    assert tb["eval_avg@4"] == {1: 70.0} and tb["eval_pass@4"] == {1: 90.0}
+    assert not any("_4" in tag for tag in tb)

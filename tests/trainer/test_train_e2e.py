@@ -60,6 +60,10 @@ def test_smoke_train_then_resume(tmp_path):
     assert r.stdout.count("=== prompt\nQ: ") == 2 and "--- completion" in r.stdout
     res = json.loads((run / "eval_6_run-k4-t1-p1.json").read_text())
     k = res["k"]
+    # A line a person reads, and where the report went (the JSON holds the rest)
+    assert f"step 6: {res['questions']} held-out questions, run protocol" in r.stdout
+    assert f"avg@{k} {res[f'avg@{k}']:.1f}%" in r.stdout
+    assert r.stdout.rstrip().endswith(f"wrote {run / 'eval_6_run-k4-t1-p1.json'}")
     assert 0.0 <= res[f"avg@{k}"] <= res[f"pass@{k}"] <= 100.0 and res["questions"] > 0
     # The default protocol is the run's: `tppo eval` reproduces the in-run held-out eval.
     after = json.loads((run / "summary.json").read_text())["eval_after"]
@@ -86,6 +90,8 @@ def test_smoke_train_then_resume(tmp_path):
 
     model = from_pretrained(tmp_path / "hf")
     tok = Tokenizer.load(tmp_path / "hf")
+    hf_tok = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
+    assert hf_tok["tokenizer_class"] == "LlamaTokenizer" and hf_tok["eos_token"] == "</s>"
     assert model.config.vocab_size == tok.vocab_size
 
     # Numerical fault injection: NaN advantages/returns from step 2 on. Every such update is

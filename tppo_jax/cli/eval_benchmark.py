@@ -74,7 +74,13 @@ def cmd_benchmark(args: argparse.Namespace, load_run: Callable[[Path, int | None
     from tppo_jax.cli.policy import is_run_dir, load_policy, resolve_policy_path
     from tppo_jax.eval.benchmark import load_questions, resolve_benchmark
 
-    bench = resolve_benchmark(args.benchmark, args.format, args.split)
+    fmt = args.format
+    if fmt is None and Path(args.benchmark).is_file():
+        fmt = infer_format(Path(args.benchmark))
+        if fmt is not None:
+            print(f"--benchmark {args.benchmark}: rows read as --format {fmt} (their fields "
+                  f"say so; --format overrides)", file=sys.stderr)
+    bench = resolve_benchmark(args.benchmark, fmt, args.split)
     path = resolve_policy_path(args.run_dir, "model")
     base = None
     if is_run_dir(path):
@@ -124,6 +130,56 @@ def show_questions(report: dict[str, Any], prompts: list[str]) -> None:
         print(f"=== question {q['index']} ({q['id']})\n{prompt}"
               f"\n--- greedy completion\n{q['greedy_completion']}\n--- found "
               f"{q['greedy_answer']!r}, gold {q['answer']!r}: {q['greedy_reason']}{why}\n")
+
+
+def infer_format(path: Path, rows: int = 20) -> str | None:
+    """The row format (``data.formats``) a benchmark file's first ``rows`` rows name without
+    doubt, from the fields every one of them has; None when they fit none or several (then
+    ``--format`` is needed). ``question`` + ``answer`` is ``gsm8k`` when every answer ends in a
+    ``#### N`` line, ``generic`` (or ``asdiv`` with its ``body`` / ``formula``) when none does."""
+    head = _first_rows(path, rows)
+    if not head or not all(isinstance(r, dict) for r in head):
+        return None
+    keys = set.intersection(*(set(r) for r in head))
+    if {"prompt", "reward_model"} <= keys:
+        return "dapo"
+    if {"Problem", "Rationale", "options", "correct"} <= keys:
+        return "mathqa"
+    if {"Body", "Question", "Answer"} <= keys:
+        return "svamp"
+    if "problem" in keys and keys & {"answer", "solution"}:
+        return "math"
+    if {"question", "answer"} <= keys:
+        hashes = [isinstance(r["answer"], str) and "####" in r["answer"] for r in head]
+        if all(hashes):
+            return "gsm8k"
+        if not any(hashes):
+            return "asdiv" if keys & {"body", "formula"} else "generic"
+    return None
+
+
+def _first_rows(path: Path, n: int) -> list[Any]:
+    """Up to ``n`` rows of a ``.jsonl`` / ``.json`` / ``.ndjson`` / ``.parquet`` file ([] when
+    it is none of these or they do not read: the full read reports why)."""
+    import json
+
+    try:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return next(pq.ParquetFile(path).iter_batches(batch_size=n)).to_pylist()
+        if path.suffix not in (".jsonl", ".json", ".ndjson"):
+            return []
+        out = []
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    out.append(json.loads(line))
+                if len(out) == n:
+                    break
+        return out
+    except (OSError, ValueError, StopIteration, ImportError):
+        return []
 
 
 def _benchmark_config(policy: LoadedPolicy, base: Config | None, bench: Benchmark) -> Config:

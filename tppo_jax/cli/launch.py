@@ -38,10 +38,12 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
                    help="print the commands (a shell script) instead of running them")
     p.add_argument("--force", action="store_true",
                    help="launch even when the config does not fit the slice's HBM")
-    p.add_argument("--plan", choices=("auto", "compiled", "arithmetic"), default="auto",
-                   help="how the fit is checked: compiled by the TPU compiler (tppo plan "
-                        "--compile, --stop-early), the arithmetic plan, or auto: compiled "
-                        "where libtpu is installed")
+    p.add_argument("--plan", choices=("compiled", "arithmetic"), default="arithmetic",
+                   help="how the fit is checked: the arithmetic plan (default: at once, an "
+                        "estimate), or compiled by the TPU compiler (needs libtpu; minutes: "
+                        "the widest width buckets, stopping at the first that does not fit)")
+    p.add_argument("--compile", action="store_const", const="compiled", dest="plan",
+                   help="the same as --plan compiled")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides passed to tppo train")
 
@@ -83,44 +85,57 @@ def cmd_launch(args: argparse.Namespace) -> int:
             best_effort=args.best_effort, repo=args.repo, overrides=tuple(args.overrides),
             resume=args.resume, keep=args.keep)
         steps = build_steps(spec)
+        timeout = args.wait_timeout or (86400.0 if queued else 3600.0)
         if not args.dry_run:  # before the compiled plan: a missing gcloud is a quick answer
             require_gcloud()
-        # Last, after the cheap checks: the compiled plan takes a while.
+        # Last, after the cheap checks: the compiled plan takes minutes.
         if not args.force:
-            why = fit_refusal(cfg, tpu.name, config_name=args.config, plan=args.plan)
+            why = fit_refusal(cfg, tpu.name, config_name=args.config, plan=args.plan,
+                              say=lambda m: print(f"tppo launch: {m}", file=sys.stderr,
+                                                  flush=True))
             if why:
                 raise LaunchError(f"{why} (--force launches anyway)")
         if args.dry_run:
-            print(render(spec, steps), end="")
+            print(render(spec, steps, wait_timeout_s=timeout), end="")
             return 0
-        timeout = args.wait_timeout or (86400.0 if queued else 3600.0)
         return run_steps(spec, steps, wait_timeout_s=timeout)
     except (LaunchError, ValueError) as e:  # ConfigError, TopologyError: one line
         print(f"tppo launch: {e}", file=sys.stderr)
         return 2
 
 
-def fit_refusal(cfg, tpu_type: str, *, config_name: str = "", plan: str = "auto") -> str | None:
+def fit_refusal(cfg, tpu_type: str, *, config_name: str = "", plan: str = "arithmetic",
+                say: Callable[[str], None] = lambda m: None) -> str | None:
     """One line saying why ``cfg`` does not fit ``tpu_type``, or None when it fits: the
-    compiled plan (``tppo_jax.compile``, stopping at the first program that does not fit;
-    ``plan="auto"``: where libtpu is installed), else the arithmetic one."""
+    arithmetic plan (at once; an estimate), or with ``plan="compiled"`` the TPU compiler's
+    (``tppo_jax.compile``: the row-group programs at their widest width bucket, stopping at
+    the first program that does not fit; ``say`` hears each program as it starts)."""
     from tppo_jax.launch import GIB
     from tppo_jax.plan import plan_memory
-    from tppo_jax.platform import libtpu_version, parse_topology, require_tpu_compiler
+    from tppo_jax.platform import parse_topology, require_tpu_compiler
 
+    name = config_name or "config"
     if plan == "compiled":
         require_tpu_compiler()
-    if plan == "compiled" or (plan == "auto" and libtpu_version() is not None):
         from tppo_jax.compile import compile_plan, refusal
 
-        return refusal(compile_plan(cfg, parse_topology(tpu_type), stop_early=True,
-                                    config_name=config_name))
+        say(f"fit check: compiling {name}'s programs for {tpu_type} (widest width buckets; "
+            f"minutes)")
+        report = compile_plan(cfg, parse_topology(tpu_type), stop_early=True, widest=True,
+                              config_name=config_name,
+                              progress=lambda n: say(f"fit check: compiling {n}"))
+        why = refusal(report)
+        if why is None:
+            say(f"fit check: compiled plan fits: worst {report['worst']}")
+        return why
     p = plan_memory(cfg, tpu_type)
+    used = f"{p['total_bytes'] / GIB:.2f} GiB per chip of {p['hbm_bytes'] / GIB:.2f} GiB"
     if p["fits"]:
+        say(f"fit check: arithmetic plan {used} (an estimate: --compile checks with the TPU "
+            f"compiler, which is the one to trust)")
         return None
-    return (f"{config_name or 'config'} does not fit {tpu_type} (arithmetic plan; "
-            f"install the TPU compiler for the compiled one): {p['total_bytes'] / GIB:.2f} GiB "
-            f"per chip of {p['hbm_bytes'] / GIB:.2f} GiB")
+    return (f"{name} does not fit {tpu_type} (arithmetic plan, an estimate; --compile checks "
+            f"with the TPU compiler): {used}")
 
 
 def _plan_args(p: argparse.ArgumentParser) -> None:
@@ -156,6 +171,8 @@ def _plan_args(p: argparse.ArgumentParser) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Prints the per-chip memory table (or JSON); exit 0 whether or not it fits. With
     ``--compile``: the compiled report; exit 0 fits, 1 does not fit, 2 error."""
+    from pathlib import Path
+
     from tppo_jax.config import ConfigError, load_config
     from tppo_jax.launch import LaunchError
     from tppo_jax.plan import format_plan, plan_memory
@@ -168,7 +185,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (LaunchError, ConfigError, ValueError) as e:
         print(f"tppo plan: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(p, indent=1) if args.json else format_plan(p))
+    print(json.dumps(p, indent=1) if args.json
+          else format_plan(p, config_name=Path(args.config).stem))
     return 0
 
 

@@ -326,7 +326,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     size = f"_n{args.eval_size}" if args.eval_size is not None else ""
     tag = protocol_tag(protocol.to_dict(), greedy=args.greedy)
     out = Path(args.out or run_dir / f"eval_{name}{size}_{tag}.json")
-    saved = save_report(out, res)
+    saved = save_report(out, res, eval_summary(res, run_dir))
     warn = no_answer_warning(res.get("no_answer"),
                              answer_format_for(cfg.data.format, cfg.reward.answer_format))
     if warn:
@@ -334,20 +334,42 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0 if saved else 1
 
 
-def save_report(out: Path, res: dict) -> bool:
-    """Prints the eval's result, then writes it to ``out`` (whole or not at all): a write
-    that fails (a full disk) loses nothing, and is said in one line naming where."""
+def save_report(out: Path, res: dict, summary: str | None = None) -> bool:
+    """Prints ``summary`` (the eval's result in a line), then writes the whole result to
+    ``out`` (whole or not at all) and says where. A write that fails (a full disk) loses
+    nothing: the whole result goes to stdout instead, and the failure is one line naming
+    where."""
     from tppo_jax.runs.run_dir import write_atomic
 
-    print(json.dumps(res), flush=True)
+    if summary:
+        print(summary, flush=True)
     try:
         write_atomic(out, json.dumps(res, indent=2))
     except OSError as e:
+        print(json.dumps(res), flush=True)
         why = e.strerror or type(e).__name__
         print(f"tppo eval: the result above was not saved: cannot write {out}: {why}",
               file=sys.stderr)
         return False
+    print(f"wrote {out}")
     return True
+
+
+def eval_summary(res: dict, run_dir: Path) -> str:
+    """One line of ``tppo eval``'s result: which policy, how many questions, the protocol
+    and its accuracies (the JSON file holds the rest)."""
+    k = res["k"]
+    who = "start" if res.get("start") else f"step {res['step']}"
+    if res.get("greedy"):
+        how, scores = "greedy", f"accuracy {res['avg@1']:.1f}%"
+    else:
+        pr = res["protocol"]
+        how = (f"{pr['name']} protocol, k={k}, temperature {pr['temperature']:g}, "
+               f"top_p {pr['top_p']:g}")
+        scores = f"avg@{k} {res[f'avg@{k}']:.1f}%, pass@{k} {res[f'pass@{k}']:.1f}%"
+    extra = f", no answer {res['no_answer']:.1f}%" if res.get("no_answer") else ""
+    return (f"{run_dir.name} {who}: {res['questions']} held-out questions, {how}: "
+            f"{scores}{extra}")
 
 
 def _show_samples(policy, tok, rows, prompts, grader, sampling, lens, engines,
@@ -409,11 +431,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     for name in ("tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         if (tok_file.parent / name).exists():
             shutil.copy(tok_file.parent / name, out / name)
+    if not (out / "tokenizer_config.json").exists():  # e.g. the tiny model's sentencepiece
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(hf_tokenizer_config(tok), indent=2) + "\n")
     # transformers' generate stops only on the ids these files name (the tokenizer's own).
     write_special_ids(out, bos_id=tok.bos_id, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
     what = "the starting policy" if args.start else f"policy of step {step}"
     print(f"exported {what} to {out}")
     return 0
+
+
+def hf_tokenizer_config(tok: Any) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` transformers' ``AutoTokenizer`` reads to load the
+    exported tokenizer: its class (a sentencepiece ``tokenizer.model``: ``LlamaTokenizer``,
+    sentencepiece's own encoding with ``legacy``; a ``tokenizer.json``:
+    ``PreTrainedTokenizerFast``), its special tokens, whether prompts start with BOS, and the
+    chat template."""
+    sp = tok.backend == "sentencepiece"
+    piece = tok._impl.id_to_piece if sp else tok._impl.id_to_token
+
+    def text(i: int | None) -> str | None:
+        return None if i is None else piece(int(i))
+
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "LlamaTokenizer" if sp else "PreTrainedTokenizerFast",
+        "bos_token": text(tok.bos_id), "eos_token": text(tok.eos_id),
+        "pad_token": text(tok.pad_id), "add_bos_token": bool(tok.add_bos),
+        "add_eos_token": False}
+    if sp:
+        cfg.update(unk_token=text(tok._impl.unk_id()), legacy=True)
+    if tok.chat_template:
+        cfg["chat_template"] = tok.chat_template
+    return cfg
 
 
 def _convert_args(p: argparse.ArgumentParser) -> None:

@@ -9,11 +9,17 @@ adds the critic's Monte-Carlo returns and the masks. A new estimator is one func
         ...
 
 and ``algo.advantage_baseline: my_baseline`` selects it (docs/architecture.md).
+
+An estimator registered with ``needs_critic=False`` (``rloo``) makes the run critic-free: no
+value model is built, trained, checkpointed or compiled, value pretraining is skipped, and the
+estimator's window is a *finished* row's whole response (an unfinished window has nothing to
+judge it but a critic, so its tokens wait until their row ends, and train then, once).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -40,18 +46,38 @@ class Window(NamedTuple):
 
 
 Estimator = Callable[[Window, TrainBatch, AlgoConfig], Array]
-ESTIMATORS: dict[str, Estimator] = {}
 
 
-def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
+@dataclass(frozen=True)
+class EstimatorEntry:
+    """A registered estimator: its function and whether it reads the critic's values
+    (``needs_critic``; False: the run has no critic at all)."""
+
+    fn: Estimator
+    needs_critic: bool = True
+
+
+ESTIMATORS: dict[str, EstimatorEntry] = {}
+
+
+def register_estimator(name: str, *, needs_critic: bool = True
+                       ) -> Callable[[Estimator], Estimator]:
     """Registers ``fn(window, batch, algo) -> advantages [B, W]`` under ``name`` (the value
-    of ``algo.advantage_baseline`` that selects it)."""
+    of ``algo.advantage_baseline`` that selects it). ``needs_critic=False``: ``fn`` never reads
+    ``window.values`` (zeros), and its window is each finished row's whole response."""
     def add(fn: Estimator) -> Estimator:
         if name in ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ESTIMATORS[name] = fn
+        ESTIMATORS[name] = EstimatorEntry(fn, needs_critic)
         return fn
     return add
+
+
+def needs_critic(a: AlgoConfig) -> bool:
+    """Whether ``a.advantage_baseline``'s estimator reads a critic (unknown names: True, and
+    config validation refuses them)."""
+    entry = ESTIMATORS.get(a.advantage_baseline)
+    return entry is None or entry.needs_critic
 
 
 @register_estimator("critic")
@@ -70,6 +96,16 @@ def group_estimator(w: Window, batch: TrainBatch, a: AlgoConfig) -> Array:
     adv = egae_estimator(w, batch, a)
     return jnp.where((batch.finished & has)[:, None],
                      (batch.reward - base)[:, None] * w.mask, adv)
+
+
+@register_estimator("rloo", needs_critic=False)
+def rloo_estimator(w: Window, batch: TrainBatch, a: AlgoConfig) -> Array:
+    """Critic-free (RLOO / GRPO without the std): a finished row's reward minus the mean of
+    its prompt's other samples that finished in this step, on its whole response (``w``
+    spans it); 0 on a row with no such sibling. Reads ``batch.group``."""
+    base, has = algo.group_baseline(batch.reward, batch.group, batch.finished)
+    return jnp.where((batch.finished & has)[:, None],
+                     (batch.reward - base)[:, None] * w.mask, 0.0)
 
 
 def _gather_window(x: Array, start: Array, width: int) -> Array:
@@ -117,11 +153,17 @@ def compute_targets(values: Array, batch: TrainBatch, a: AlgoConfig, window: int
     total = start + wlen
     rewards = outcome_rewards(batch)
     lam = policy_lambda(batch, a, window)
+    entry = ESTIMATORS[a.advantage_baseline]
+    if entry.needs_critic:
+        pmask = algo.policy_mask(s, start, wlen, fin, ignore_last=a.window_ignore_tokens)
+    else:  # the window: a finished row's whole response
+        start, window = batch.prompt_len, s
+        wlen = jnp.where(fin, total - start, 0)
+        pmask = algo.window_mask(s, start, wlen)
     mask_w = (jnp.arange(window)[None] < wlen[:, None]).astype(jnp.float32)
     w = Window(_gather_window(rewards, start, window), _gather_window(values, start, window),
                mask_w, lam)
-    adv = _scatter_window(ESTIMATORS[a.advantage_baseline](w, batch, a), start, s)
-    pmask = algo.policy_mask(s, start, wlen, fin, ignore_last=a.window_ignore_tokens)
+    adv = _scatter_window(entry.fn(w, batch, a), start, s)
     if a.whiten_advantages:
         adv = algo.masked_whiten(adv, pmask, shift_mean=a.whiten_center)
     if a.advantage_clip is not None:

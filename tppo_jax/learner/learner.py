@@ -37,7 +37,7 @@ from tppo_jax.learner.batch import (
     ValueRows,
     row_counts,
 )
-from tppo_jax.learner.estimators import compute_targets
+from tppo_jax.learner.estimators import compute_targets, needs_critic
 from tppo_jax.learner.losses import (
     LearnerConfig,
     critic_token_values,
@@ -227,7 +227,9 @@ class Learner:
     each model trains under LoRA (``models.lora.split_trainable``; None: all).
 
     ``step(state, batch, rows)`` is a training step; ``values``, ``targets``,
-    ``update_policy`` and ``update_value`` are its parts.
+    ``update_policy`` and ``update_value`` are its parts. A critic-free estimator
+    (``estimators.needs_critic``): ``value_def`` and the state's value trees are None, and
+    ``value`` / ``group_values`` too (nothing of the critic's is jitted or compiled).
     """
 
     def __init__(self, policy_def: Any, value_def: Any, cfg: LearnerConfig, *,
@@ -249,19 +251,23 @@ class Learner:
             self._rows, self._rep = batch_spec(mesh), NamedSharding(mesh, PartitionSpec())
         self.policy = self._update("policy", policy_def, self.tx_policy, trainable[0],
                                    None if state is None else (state.policy, state.policy_opt))
-        self.value = self._update("value", value_def, self.tx_value, trainable[1],
-                                  None if state is None else (state.value, state.value_opt))
+        critic = needs_critic(cfg.algo)
+        self.value = self.group_values = None
+        if critic:
+            self.value = self._update("value", value_def, self.tx_value, trainable[1],
+                                      None if state is None else (state.value, state.value_opt))
         rows, rep = self._rows, self._rep
-        vp = None if mesh is None else placed(state.value, mesh)
+        vp = None if mesh is None or not critic else placed(state.value, mesh)
         self.take_tokens = _jit(TokenRows.take, mesh, out_shardings=rows,
                                 static_argnames="width")
-        self.group_values = _jit(partial(_group_values, value_def), mesh, (vp, rows), rows)
+        if critic:
+            self.group_values = _jit(partial(_group_values, value_def), mesh, (vp, rows), rows)
         self._put = _jit(put_rows, mesh, (rows, rows, rep, rep), rows, donate_argnums=0)
         self._blank = _jit(_blank, mesh, out_shardings=rows, static_argnums=1)
         self.finish = _jit(partial(_targets, a=cfg.algo, window=cfg.window), mesh,
                            (rows, rows), rows)
         self._adv_stats = jax.jit(partial(
-            advantage_stats, groups=cfg.algo.advantage_baseline == "group"))
+            advantage_stats, groups=cfg.algo.advantage_baseline in ("group", "rloo")))
         self._explained = jax.jit(algo.explained_variance)
 
     @property
@@ -271,6 +277,8 @@ class Learner:
 
     def compiled_fns(self) -> dict[str, Callable]:
         """The programs that compile once per row-group shape, by name (a compile watch)."""
+        if self.value is None:  # critic-free
+            return {"policy_update": self.policy.grads}
         return {"rollout_targets": self.group_values, "policy_update": self.policy.grads,
                 "value_update": self.value.grads}
 
@@ -322,8 +330,10 @@ class Learner:
                rows: np.ndarray | None = None) -> jax.Array:
         """``[B, S]`` ``V(s_t)`` of the critic over the rollout, run as row groups (causal
         attention: a row's values do not depend on the width it is cut to); 0 past each
-        row's group width and on rows not in ``rows`` (None: all)."""
+        row's group width and on rows not in ``rows`` (None: all). Critic-free: zeros."""
         values = None
+        if self.group_values is None:
+            return self._blank(batch.attn, jnp.float32)
         for g in self.value_groups(lengths, batch.shape[1], rows):
             part = self.group_values(value_params,
                                      self.take_tokens(batch, None, g.rows, g.valid,
@@ -341,12 +351,14 @@ class Learner:
 
     def plan(self, kind: Kind, rows: RowPlan, width: int) -> list[Minibatch]:
         """The optimizer steps of one update: the policy's over every row, the critic's over
-        the finished rows (``plan.plan_update`` with this learner's settings)."""
+        the finished rows (``plan.plan_update`` with this learner's settings). Critic-free,
+        the policy's too: no other row has a token to train on."""
         o = self.cfg.optim
+        every = kind == "policy" and self.value is not None
         return plan_update(rows.lengths, minibatches=o.minibatches,
                            epochs=o.epochs if kind == "policy" else o.critic_epochs,
                            grad_accum=o.grad_accum, unit=self.unit, cap=width,
-                           shuffle=rows.shuffle, rows=None if kind == "policy" else rows.finished)
+                           shuffle=rows.shuffle, rows=None if every else rows.finished)
 
     def _run(self, u: Update, params: Any, opt_state: Any, batch: TrainBatch,
              targets: Targets, plan: list[Minibatch], extra: tuple[Any, ...]
@@ -406,7 +418,8 @@ class Learner:
              ) -> tuple[TrainState, StepStats]:
         """One T-PPO step: targets at ``state.value``, then the policy's update (unless
         ``train_policy`` is False: critic warm-up) and the critic's on the finished rows,
-        dispatched back to back. ``edit_targets``: a caller's change to the targets before
+        dispatched back to back (critic-free: the policy's alone, and ``StepStats.value`` is
+        empty). ``edit_targets``: a caller's change to the targets before
         the updates read them (fault injection). Returns the state one step on."""
         return self._step(state, batch, rows, train_policy, ref, edit_targets)
 
@@ -423,8 +436,9 @@ class Learner:
             policy, popt, pstats = self.update_policy(policy, popt, batch, targets, plan, ref)
             pcells = plan_cells(plan)
         value, vopt, vcells = state.value, state.value_opt, 0
-        vstats = {"value_loss": jnp.zeros(()), "value_skipped": jnp.zeros(())}
-        if len(rows.finished):
+        vstats = ({} if self.value is None
+                  else {"value_loss": jnp.zeros(()), "value_skipped": jnp.zeros(())})
+        if len(rows.finished) and self.value is not None:
             plan = self.plan("value", rows, width)
             value, vopt, vstats = self.update_value(value, vopt, batch, targets, plan)
             vcells = plan_cells(plan)

@@ -23,24 +23,28 @@ from tppo_jax.config import OptimConfig
 @dataclasses.dataclass
 class TrainState:
     policy: Any  # pure dict of the policy's params (mesh-sharded)
-    value: Any  # pure dict of the value model's params
+    value: Any  # pure dict of the value model's params (None: a critic-free run)
     policy_opt: Any  # optax state of the policy's optimizer
-    value_opt: Any  # optax state of the critic's optimizer
+    value_opt: Any  # optax state of the critic's optimizer (None: critic-free)
     step: int = dataclasses.field(default=0, metadata={"static": True})  # completed steps
     # The moving average of the policy's trained params (optim.policy_ema; None: off)
     policy_ema: Any = None
 
     def items(self) -> dict[str, Any]:
-        """The trees by checkpoint item name (the names existing checkpoints use)."""
+        """The trees by checkpoint item name (the names existing checkpoints use); a
+        critic-free run has no ``value`` / ``value_opt``."""
         ema = {} if self.policy_ema is None else {"policy_ema": self.policy_ema}
-        return {"policy": self.policy, "value": self.value, "policy_opt": self.policy_opt,
-                "value_opt": self.value_opt, **ema}
+        critic = ({} if self.value is None
+                  else {"value": self.value, "value_opt": self.value_opt})
+        return {"policy": self.policy, **critic, "policy_opt": self.policy_opt, **ema}
 
     @classmethod
     def from_items(cls, trees: dict[str, Any], step: int, mesh: Any) -> TrainState:
         """The state restored from checkpoint ``trees`` (optimizer leaves put on ``mesh``)."""
-        return cls(trees["policy"], trees["value"], commit_to_mesh(trees["policy_opt"], mesh),
-                   commit_to_mesh(trees["value_opt"], mesh), step, trees.get("policy_ema"))
+        vopt = trees.get("value_opt")
+        return cls(trees["policy"], trees.get("value"), commit_to_mesh(trees["policy_opt"], mesh),
+                   None if vopt is None else commit_to_mesh(vopt, mesh), step,
+                   trees.get("policy_ema"))
 
 
 def commit_to_mesh(tree: Any, mesh: Any) -> Any:

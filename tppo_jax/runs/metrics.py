@@ -101,9 +101,7 @@ class MetricsWriter:
         if self.enabled:
             append_whole(self.path, json.dumps(row) + "\n")
             scalars = {k: v for k, v in row.items() if isinstance(v, float | int) and k != "step"}
-            if self._tb_alive():
-                for k, v in scalars.items():
-                    self.tb.add_scalar(k, v, step)
+            self._tb_scalars(scalars, step)
             if self.wandb is not None:
                 self.wandb.log(step, scalars)
         return row
@@ -122,11 +120,21 @@ class MetricsWriter:
             return
         scalars = {f"eval_{k}": v for k, v in result.items()
                    if isinstance(v, float | int) and not isinstance(v, bool)}
-        if self._tb_alive():
-            for k, v in scalars.items():
-                self.tb.add_scalar(k, v, step)
+        self._tb_scalars(scalars, step)
         if self.wandb is not None:
             self.wandb.log(step, scalars)
+
+    def _tb_scalars(self, scalars: dict[str, float | int], step: int) -> None:
+        """The scalars to TensorBoard under the names metrics.jsonl and W&B use: one event
+        whose tags are the keys as they are (``eval_avg@4``; tensorboardX's ``add_scalar``
+        would rename it ``eval_avg_4``, and TensorBoard shows any tag)."""
+        if not scalars or not self._tb_alive():
+            return
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v))
+                                 for k, v in scalars.items()])
+        self.tb._get_file_writer().add_summary(summary, step)
 
     def write_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         """One JSON line per sample (``step`` added); TensorBoard gets them as markdown text,

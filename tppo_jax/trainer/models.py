@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tppo_jax.config import Config, ConfigError
+from tppo_jax.learner.estimators import needs_critic
 from tppo_jax.models.lora import (
     add_lora,
     join_params,
@@ -38,28 +39,33 @@ class Models:
     tokenizer: Tokenizer
     policy_def: Any
     policy: Any  # pure dict of params (None once a TrainState holds them)
-    value_def: Any
+    value_def: Any  # None (and ``value``): a critic-free run (``estimators.needs_critic``)
     value: Any
     tokenizer_file: Path
 
 
 def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models:
-    """The tokenizer, the policy (``load_policy``) and the critic (``model.value_init``);
-    with ``model.lora_rank > 0`` each gets fresh adapters (the critic when
-    ``model.value_lora``); then every param is placed on ``mesh``."""
+    """The tokenizer, the policy (``load_policy``) and the critic (``model.value_init``; none
+    when the estimator needs none); with ``model.lora_rank > 0`` each gets fresh adapters
+    (the critic when ``model.value_lora``); then every param is placed on ``mesh``."""
     tok, policy, tok_file = load_policy(cfg, run_dir, progress, mesh)
-    critic = load_critic(cfg, policy, mesh)  # from the plain policy: before its adapters
+    # From the plain policy: before its adapters
+    critic = load_critic(cfg, policy, mesh) if needs_critic(cfg.algo) else None
     spec = lora_spec(cfg.model)
     if spec is not None:
         add_lora(policy, spec, seed=cfg.train.seed)
-        if cfg.model.value_lora:
+        if cfg.model.value_lora and critic is not None:
             add_lora(critic, spec, seed=cfg.train.seed + 1)
     if mesh is not None:  # params carry their named shardings from here on
         shard_model(policy, mesh)
-        shard_model(critic, mesh)
+        if critic is not None:
+            shard_model(critic, mesh)
     pdef, pstate = nnx.split(policy)
+    pparams = nnx.to_pure_dict(pstate)
+    if critic is None:
+        return Models(tok, pdef, pparams, None, None, tok_file)
     vdef, vstate = nnx.split(critic)
-    pparams, vparams = nnx.to_pure_dict(pstate), nnx.to_pure_dict(vstate)
+    vparams = nnx.to_pure_dict(vstate)
     if shares_base(cfg):  # one frozen base for both models
         vparams = share_base(pparams, vparams)
     return Models(tok, pdef, pparams, vdef, vparams, tok_file)

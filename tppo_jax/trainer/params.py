@@ -98,10 +98,13 @@ def trained_part(params: Any, keep: tuple[str, ...] | None) -> Any:
 
 def saved_items(items: dict[str, Any], cfg: Config) -> dict[str, Any]:
     """``TrainState.items()`` as a checkpoint holds them: ``policy`` / ``value`` cut to their
-    trained part (the optimizer states already cover only that)."""
+    trained part (the optimizer states already cover only that); a critic-free run has no
+    ``value``."""
     keep_p, keep_v = trainable_keys(cfg)
-    return dict(items, policy=trained_part(items["policy"], keep_p),
-                value=trained_part(items["value"], keep_v))
+    out = dict(items, policy=trained_part(items["policy"], keep_p))
+    if "value" in items:
+        out["value"] = trained_part(items["value"], keep_v)
+    return out
 
 
 def with_frozen(trees: dict[str, Any], items: dict[str, Any], cfg: Config) -> dict[str, Any]:
@@ -109,7 +112,8 @@ def with_frozen(trees: dict[str, Any], items: dict[str, Any], cfg: Config) -> di
     run's current ``items`` (``saved_items``' inverse)."""
     out = dict(trees)
     for name, keep in zip(("policy", "value"), trainable_keys(cfg), strict=True):
-        out[name] = rejoin(trees[name], items[name], keep)
+        if name in trees:  # a critic-free run's have no "value"
+            out[name] = rejoin(trees[name], items[name], keep)
     return out
 
 

@@ -245,11 +245,11 @@ class Trainer:
         tx_p, tx_v = policy_optimizer(cfg.optim), value_optimizer(cfg.optim)
         keep_p, keep_v = trainable_keys(cfg)  # LoRA: AdamW states for the adapters alone
         models = self.models
+        vopt = (None if models.value is None  # critic-free
+                else commit_to_mesh(tx_v.init(trained_part(models.value, keep_v)), self.mesh))
         state = TrainState(models.policy, models.value,
                            commit_to_mesh(tx_p.init(trained_part(models.policy, keep_p)),
-                                          self.mesh),
-                           commit_to_mesh(tx_v.init(trained_part(models.value, keep_v)),
-                                          self.mesh))
+                                          self.mesh), vopt)
         models.policy = models.value = None  # the params live in TrainState: no second copy
         self.state = with_ema(state, cfg)  # before a restore: the template of its checkpoint
         # The policy RL started from, for algo.kl_coef > 0 (else None), made before a resume
@@ -432,17 +432,21 @@ class Trainer:
         policy and frees the finished rows' slots."""
         cfg, state = self.cfg, self.state
         step = state.step  # 0-based: the steps done so far
-        if step == 0 and not cfg.algo.value_pretrain_steps:  # pretraining did it at its step 0
+        if (step == 0 and not cfg.algo.value_pretrain_steps  # pretraining did it at its step 0
+                and state.value is not None):
             state = dataclasses.replace(state, value=init_value_bias(state.value, roll, cfg))
         batch, rows = learner_input(roll, cfg, self.mesh, step)
         edit = (None if hooks is None or hooks.before_update is None
                 else partial(hooks.before_update, step))
         state, out = self.learner.step(state, batch, rows, ref=self.ref_policy,
                                        edit_targets=edit,
-                                       train_policy=step >= cfg.algo.critic_warmup_steps)
+                                       # no critic: nothing to warm up
+                                       train_policy=(step >= cfg.algo.critic_warmup_steps
+                                                     or state.value is None))
         pstats, vstats, adv = mh.tree_to_host((out.policy, out.value, out.advantages))
         vstats = {**vstats, **adv}
-        skipped = float(pstats.get("policy_skipped", 0.0)) + float(vstats["value_skipped"])
+        skipped = (float(pstats.get("policy_skipped", 0.0))
+                   + float(vstats.get("value_skipped", 0.0)))
         self._skipped_in_a_row = self._skipped_in_a_row + 1 if skipped else 0
         if self._skipped_in_a_row >= cfg.train.max_skipped_updates:
             raise TrainingDiverged(
@@ -491,9 +495,8 @@ class Trainer:
             "occupancy": tot["tokens"] / max(1.0, self.cfg.rollout.slots * top["window"]),
             **scheduled_lrs(self.cfg.optim, self.state.step),
             "policy_loss": float(pstats.get("policy_loss", 0.0)),
-            "value_loss": float(vstats["value_loss"]),
             **{k: float(v) for k, v in pstats.items() if k != "policy_loss"},
-            **{k: float(v) for k, v in vstats.items() if k != "value_loss"},
+            **{k: float(v) for k, v in vstats.items()},  # none without a critic
             **{f"grade_{k}": v for k, v in counts.items()},
             "tokens": int(tot["tokens"]),
             "idle_slots": int(tot["idle"]),

@@ -86,9 +86,13 @@ def pretrain_value(trainer: Trainer, state: TrainState) -> TrainState:
     """``state`` with its critic pretrained (``algo.value_pretrain_steps``; nothing on a
     resumed run or when 0). Single-host runs load or fill the cache beside the run dir
     (a run that finds another one filling it waits for it); multi-host runs pretrain in
-    memory."""
+    memory. A critic-free run (no ``state.value``) has nothing to pretrain."""
     cfg = trainer.cfg
     if cfg.algo.value_pretrain_steps <= 0 or trainer.start:
+        return state
+    if state.value is None:
+        log.info("algo.value_pretrain_steps: skipped (algo.advantage_baseline: %s needs no "
+                 "critic)", cfg.algo.advantage_baseline)
         return state
     if jax.process_count() > 1:
         value, curve = _pretrain(trainer, state)
