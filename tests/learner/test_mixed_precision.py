@@ -93,6 +93,7 @@ def test_bf16_master_weights_move_at_lr_1e6_and_pure_bf16_does_not():
         np.exp(stats["sampler_gap_abs_mean"]), rel=1e-6)
 
 
+@pytest.mark.slow  # three small learners compile
 def test_gap_is_exactly_zero_in_fp32_and_the_correction_off_changes_nothing():
     pdef, pp, vdef, vp = _models("float32")
     cfg = _run_cfg("float32", lr=1e-3)
