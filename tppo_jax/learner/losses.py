@@ -92,6 +92,9 @@ def policy_loss(graphdef: Any, params: Any, mb: PolicyRows, denoms: dict[str, Ar
     logp, ent = logprobs_from_hidden(model, hidden, mb.tokens, cfg.temperature)
     # sampler_correction: the old policy is the learner's own forward before the update
     old = mb.sample_logprobs if mb.old_logprobs is None else mb.old_logprobs
+    if a.sampler_correction != "none" and mb.old_logprobs is None:
+        raise ValueError(f"algo.sampler_correction: {a.sampler_correction} needs the targets' "
+                         "old_logprobs (Learner.step computes them)")
     weights = (algo.tis_weights(mb.old_logprobs, mb.sample_logprobs, a.tis_cap)
                if a.sampler_correction == "tis" else None)
     pl, stats = algo.policy_loss(logp, old, mb.advantages, mb.policy_mask,
