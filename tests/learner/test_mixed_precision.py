@@ -112,10 +112,12 @@ def test_gap_is_exactly_zero_in_fp32_and_the_correction_off_changes_nothing():
     assert stats["sampler_prob_ratio_err"] == 1.0
     # recompute: the ratio's old policy is the learner's own forward, which here is the
     # sampler's: the same update to the bit
-    _, again, _ = _step(_run_cfg("float32", lr=1e-3, sampler_correction="recompute"),
-                        pdef, pp, vdef, vp, batch)
-    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(again), strict=True):
-        np.testing.assert_array_equal(a, b)
+    for fix in ("recompute", "tis"):  # tis: every weight min(exp(0), C) = 1
+        _, again, st = _step(_run_cfg("float32", lr=1e-3, sampler_correction=fix),
+                             pdef, pp, vdef, vp, batch)
+        for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(again), strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert st["tis_weight_mean"] == pytest.approx(1.0, abs=1e-6)
 
 
 def test_sampler_gap_and_tis_weights_by_hand():
