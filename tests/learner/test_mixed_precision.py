@@ -149,7 +149,6 @@ def test_decode_and_learner_in_bf16_on_the_05b_head_geometry_report_the_gap():
     from tppo_jax.data.synthetic import SyntheticMathTask
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
-    from tppo_jax.trainer.collect import train_batch
 
     gaps = {}
     for dtype in ("float32", "bfloat16"):
@@ -166,7 +165,14 @@ def test_decode_and_learner_in_bf16_on_the_05b_head_geometry_report_the_gap():
         sched = TruncatedRolloutScheduler(policy, examples, encode, r, eos_ids=(1,),
                                           sampling=SamplingParams(), seed=0)
         rb = sched.step()
-        batch = train_batch(rb, np.zeros(4, np.float32), np.zeros(4, bool), None)
+        width = int(rb.total_len.max())
+        batch = TrainBatch(
+            tokens=jnp.asarray(rb.tokens[:, :width]),
+            attn=jnp.asarray(np.arange(width)[None] < rb.total_len[:, None]),
+            sample_logprobs=jnp.asarray(rb.sample_logprobs[:, :width]),
+            prompt_len=jnp.asarray(rb.prompt_len), window_start=jnp.asarray(rb.window_start),
+            window_len=jnp.asarray(rb.window_len), finished=jnp.asarray(rb.finished),
+            reward=jnp.zeros(4, jnp.float32), correct=jnp.zeros(4, bool))
         _, _, stats = _step(_run_cfg(dtype), pdef, nnx.to_pure_dict(pst), vdef,
                             nnx.to_pure_dict(vst), batch)
         gaps[dtype] = stats
