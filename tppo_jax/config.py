@@ -47,6 +47,10 @@ class ModelSettings:
     num_kv_heads: int = 2
     max_seq_len: int = 256
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # The stored (trained, checkpointed) params and AdamW moments: float32 = master weights for
+    # a bfloat16 model (forward and backward in bfloat16, models/precision.py); bfloat16 =
+    # pure bfloat16 (half the memory; updates below half an ulp round away)
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False  # hf/gguf: recompute layers in the backward pass (less memory)
     # training-forward attention (kernels/attention.py, docs/models.md): auto = splash on TPU,
     # cuDNN on GPU, dense on CPU for short sequences and chunked (memory linear in T) beyond
@@ -134,6 +138,12 @@ class AlgoConfig:
     advantage_clip: float | None = 10.0
     value_clip_low: float | None = 0.5
     value_clip_high: float | None = 0.6
+    # The sampler / learner log-prob gap (docs/algorithm.md section 4): "none" = the PPO ratio
+    # against the sampler's log-probs; "recompute" = against the learner's own, from a forward
+    # pass before the update; "tis" = recompute and weight each token's loss by
+    # min(exp(logp_learner - logp_sampler), tis_cap)
+    sampler_correction: Literal["none", "recompute", "tis"] = "none"
+    tis_cap: float = 2.0
 
 
 @dataclass(frozen=True)

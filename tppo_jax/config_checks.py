@@ -115,7 +115,7 @@ RANGES: dict[str, Range] = {
     "algo.alpha": POSITIVE, "algo.eps_low": Range(0, 1, lo_open=True, hi_open=True),
     "algo.eps_high": POSITIVE, "algo.dual_clip_c": Range(1, lo_open=True),
     "algo.window_ignore_tokens": NON_NEGATIVE, "algo.nll_coef": NON_NEGATIVE,
-    "algo.kl_coef": NON_NEGATIVE,
+    "algo.kl_coef": NON_NEGATIVE, "algo.tis_cap": Range(1),  # a cap below 1 shrinks every weight
     "algo.critic_warmup_steps": NON_NEGATIVE, "algo.value_pretrain_steps": NON_NEGATIVE,
     "algo.advantage_clip": POSITIVE, "algo.value_clip_low": NON_NEGATIVE,
     "algo.value_clip_high": NON_NEGATIVE,
@@ -303,6 +303,9 @@ def _check_data_and_model(cfg: Config) -> None:
         raise ConfigError(f"data.prompt_template must contain {{question}}, got {quote(pt)}")
     m = cfg.model
     parse_lora_targets(m.lora_targets)
+    if m.param_dtype == "bfloat16" and m.dtype == "float32":
+        raise ConfigError("model.param_dtype: bfloat16 needs model.dtype: bfloat16 (a float32 "
+                          "model computes from float32 params); use param_dtype: float32")
     if m.num_heads % m.num_kv_heads:
         raise ConfigError(f"model.num_heads ({m.num_heads}) must be a multiple of "
                           f"model.num_kv_heads ({m.num_kv_heads})")

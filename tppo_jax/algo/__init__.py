@@ -17,6 +17,8 @@ from tppo_jax.algo.losses import (
     kl_to_reference,
     nll_loss,
     policy_loss,
+    sampler_gap,
+    tis_weights,
     value_loss,
 )
 from tppo_jax.algo.masks import (
@@ -37,5 +39,5 @@ __all__ = [
     "kl_to_reference",
     "length_adaptive_lambda", "masked_clip", "masked_mean", "masked_whiten", "mc_returns",
     "nll_loss", "policy_loss", "policy_mask", "positive_example_mask", "response_mask",
-    "span_mask", "value_loss", "value_mask", "window_mask",
+    "sampler_gap", "span_mask", "tis_weights", "value_loss", "value_mask", "window_mask",
 ]

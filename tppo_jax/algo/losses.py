@@ -53,6 +53,7 @@ def policy_loss(
     aggregation: Aggregation = "token",
     n_tokens: Array | None = None,
     n_rows: Array | None = None,
+    weights: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Clipped surrogate with clip-higher and dual clip.
 
@@ -70,6 +71,8 @@ def policy_loss(
       n_tokens, n_rows: masked tokens / rows with one of the whole minibatch, when these
         rows are one part of it (``aggregate``'s ``denom``); the loss and the mean stats
         then add up over the parts.
+      weights: ``[B, T]`` per-token weights of ``l_t`` (truncated importance sampling,
+        ``tis_weights``; constants, no gradient); None: 1.
     Returns:
       ``(loss, {"clip_frac", "dual_clip_frac", "approx_kl", "ratio_mean",
       "log_ratio_absmax"})``.
@@ -85,6 +88,8 @@ def policy_loss(
         cap = dual_clip_c * jnp.abs(advantages)
         dual = (advantages < 0) & (loss > cap)
         loss = jnp.where(dual, cap, loss)
+    if weights is not None:
+        loss = loss * weights
     clipped = (surr2 < surr1).astype(jnp.float32)
     stats = {
         "clip_frac": aggregate(clipped, m, denom=n_tokens),
@@ -96,6 +101,34 @@ def policy_loss(
     }
     denom = n_tokens if aggregation == "token" else n_rows
     return aggregate(loss, m, mode=aggregation, denom=denom), stats
+
+
+def sampler_gap(logp: Array, sample_logp: Array, mask: Array, *, eps_low: float,
+                eps_high: float, n_tokens: Array | None = None) -> dict[str, Array]:
+    """How far the learner's log-probs of the sampled tokens are from the sampler's, before
+    any update (``[B, T]`` each; ``mask`` the tokens trained on). With
+    ``d = logp - sample_logp``: ``sampler_gap_abs_mean`` (token mean of ``|d|``; its exp is
+    NeMo-RL's ``token_mult_prob_error``), ``sampler_gap_abs_max``, ``sampler_kl`` (k3 estimate
+    of ``KL(sampler || learner)``, ``exp(d) - 1 - d``, on tokens the sampler drew) and
+    ``sampler_clip_frac`` (tokens whose ratio ``exp(d)`` is already outside
+    ``[1 - eps_low, 1 + eps_high]``). All 0 when the two programs agree exactly."""
+    m = mask.astype(jnp.float32)
+    d = (logp - sample_logp) * m
+    dc = jnp.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = jnp.exp(dc)
+    out_of_range = ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high)).astype(jnp.float32)
+    return {"sampler_gap_abs_mean": aggregate(jnp.abs(d), m, denom=n_tokens),
+            "sampler_gap_abs_max": jnp.abs(d).max(),
+            "sampler_kl": aggregate(jnp.expm1(dc) - dc, m, denom=n_tokens),
+            "sampler_clip_frac": aggregate(out_of_range, m, denom=n_tokens)}
+
+
+def tis_weights(learner_logp: Array, sample_logp: Array, cap: float) -> Array:
+    """Truncated importance weights ``min(exp(learner_logp - sample_logp), cap)`` (``[B, T]``):
+    the old policy's probability of each sampled token over the sampler's, capped so a token
+    the sampler under-rated cannot dominate the update (``|log|`` clamped before exp)."""
+    d = jnp.clip(learner_logp - sample_logp, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return jnp.minimum(jnp.exp(d), cap)
 
 
 def value_loss(

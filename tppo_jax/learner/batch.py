@@ -64,6 +64,9 @@ class Targets:
     positive_mask: Array
     values_old: Array
     lam: Array
+    # The learner's own log-probs of the sampled tokens before the update (``[B, S]``), with
+    # ``algo.sampler_correction`` on; None: the PPO ratio's old policy is the sampler.
+    old_logprobs: Array | None = None
 
 
 def _cut(x: Array, rows: Array, width: int) -> Array:
@@ -97,15 +100,17 @@ class PolicyRows(NamedTuple):
     advantages: Array
     policy_mask: Array
     positive_mask: Array
+    old_logprobs: Array | None = None  # Targets.old_logprobs, cut alike
 
     @classmethod
     def take(cls, batch: TrainBatch, targets: Targets, rows: Array, valid: Array, *,
              width: int) -> PolicyRows:
         """Rows ``rows [R]``, columns ``:width``; masks zero on padding rows (``valid``)."""
         c = lambda x: _cut(x, rows, width)  # noqa: E731
+        old = None if targets.old_logprobs is None else c(targets.old_logprobs)
         return cls(c(batch.tokens), c(batch.attn), c(batch.sample_logprobs),
                    c(targets.advantages), _masked(c(targets.policy_mask), valid),
-                   _masked(c(targets.positive_mask), valid))
+                   _masked(c(targets.positive_mask), valid), old)
 
 
 class ValueRows(NamedTuple):

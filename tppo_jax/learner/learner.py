@@ -41,6 +41,7 @@ from tppo_jax.learner.estimators import compute_targets, needs_critic
 from tppo_jax.learner.losses import (
     LearnerConfig,
     critic_token_values,
+    group_logprobs,
     policy_loss,
     value_loss,
 )
@@ -63,7 +64,11 @@ ROWS = {"policy": PolicyRows, "value": ValueRows}
 # ``keep`` KV policy they measure how far the sampled log-probs (decoded over an older policy's
 # cache) are from a fresh forward pass; later minibatches average that away.
 FIRST_MB_STATS = ("ratio_mean", "approx_kl", "clip_frac", "log_ratio_absmax")
-MAX_STATS = ("log_ratio_absmax",)  # combined over groups and minibatches by max, not sum
+# The sampler / learner gap (algo.sampler_gap): the first minibatch's alone, under their own
+# names, since only its forward pass runs before this step changes the policy.
+GAP_STATS = ("sampler_gap_abs_mean", "sampler_gap_abs_max", "sampler_kl", "sampler_clip_frac")
+# Combined over groups and minibatches by max, not sum
+MAX_STATS = ("log_ratio_absmax", "sampler_gap_abs_max")
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,9 @@ def combine_stats(per_mb: list[dict[str, jax.Array]], *, name: str,
     stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *per_mb)
     w = stacked.pop("_active")
     out = {}
+    gap = {k: stacked.pop(k)[0] for k in GAP_STATS if k in stacked}
+    if gap:  # NeMo-RL's token_mult_prob_error: exp of the token mean |log ratio|
+        out.update(gap, sampler_prob_ratio_err=jnp.exp(gap["sampler_gap_abs_mean"]))
     for k, v in stacked.items():
         key = f"{name}_{k}" if k in ("loss", "grad_norm", "skipped") else k
         out[key] = (jnp.max(v) if k in MAX_STATS
@@ -261,7 +269,11 @@ class Learner:
         self.take_tokens = _jit(TokenRows.take, mesh, out_shardings=rows,
                                 static_argnames="width")
         if critic:
-            self.group_values = _jit(partial(_group_values, value_def), mesh, (vp, rows), rows)
+            self.group_values = _jit(partial(_group_values, value_def, cfg), mesh, (vp, rows),
+                                     rows)
+        pp = None if mesh is None else placed(state.policy, mesh)
+        self.group_logprobs = _jit(partial(group_logprobs, policy_def, cfg=cfg), mesh,
+                                   (pp, rows), rows)
         self._put = _jit(put_rows, mesh, (rows, rows, rep, rep), rows, donate_argnums=0)
         self._blank = _jit(_blank, mesh, out_shardings=rows, static_argnums=1)
         self.finish = _jit(partial(_targets, a=cfg.algo, window=cfg.window), mesh,
@@ -277,10 +289,12 @@ class Learner:
 
     def compiled_fns(self) -> dict[str, Callable]:
         """The programs that compile once per row-group shape, by name (a compile watch)."""
+        old = ({"old_logprobs": self.group_logprobs}
+               if self.cfg.algo.sampler_correction != "none" else {})
         if self.value is None:  # critic-free
-            return {"policy_update": self.policy.grads}
+            return {"policy_update": self.policy.grads, **old}
         return {"rollout_targets": self.group_values, "policy_update": self.policy.grads,
-                "value_update": self.value.grads}
+                "value_update": self.value.grads, **old}
 
     def _update(self, kind: Kind, graphdef: Any, tx: optax.GradientTransformation,
                 trainable: tuple[str, ...] | None, placed_now: tuple[Any, Any] | None
@@ -331,17 +345,21 @@ class Learner:
         """``[B, S]`` ``V(s_t)`` of the critic over the rollout, run as row groups (causal
         attention: a row's values do not depend on the width it is cut to); 0 past each
         row's group width and on rows not in ``rows`` (None: all). Critic-free: zeros."""
-        values = None
         if self.group_values is None:
             return self._blank(batch.attn, jnp.float32)
+        return self.row_pass(self.group_values, value_params, batch, lengths, rows)
+
+    def row_pass(self, fn: Callable, params: Any, batch: TrainBatch, lengths: np.ndarray,
+                 rows: np.ndarray | None = None) -> jax.Array:
+        """``[B, S]`` of a per-token forward ``fn(params, TokenRows) -> [R, W]`` (the
+        critic's values, the policy's log-probs) run as the values pass's row groups."""
+        out = None
         for g in self.value_groups(lengths, batch.shape[1], rows):
-            part = self.group_values(value_params,
-                                     self.take_tokens(batch, None, g.rows, g.valid,
-                                                      width=g.width))
-            if values is None:  # made where the batch lives (sharded like a row array)
-                values = self._blank(batch.attn, part.dtype)
-            values = self._put(values, part, g.rows, g.valid)
-        return self._blank(batch.attn, jnp.float32) if values is None else values
+            part = fn(params, self.take_tokens(batch, None, g.rows, g.valid, width=g.width))
+            if out is None:  # made where the batch lives (sharded like a row array)
+                out = self._blank(batch.attn, part.dtype)
+            out = self._put(out, part, g.rows, g.valid)
+        return self._blank(batch.attn, jnp.float32) if out is None else out
 
     def targets(self, value_params: Any, batch: TrainBatch, lengths: np.ndarray) -> Targets:
         """The critic's values pass, then ``estimators.compute_targets``."""
@@ -431,6 +449,9 @@ class Learner:
         if edit_targets is not None:
             targets = edit_targets(targets)
         policy, popt, pstats, pcells = state.policy, state.policy_opt, {}, 0
+        if train_policy and self.cfg.algo.sampler_correction != "none":
+            targets = targets.replace(old_logprobs=self.row_pass(
+                self.group_logprobs, state.policy, batch, rows.lengths))
         if train_policy:
             plan = self.plan("policy", rows, width)
             policy, popt, pstats = self.update_policy(policy, popt, batch, targets, plan, ref)
@@ -448,10 +469,9 @@ class Learner:
                                 vcells, targets)
 
 
-def _group_values(graphdef: Any, value_params: Any, group: TokenRows) -> jax.Array:
-    from flax import nnx
-
-    return critic_token_values(nnx.merge(graphdef, value_params), group.tokens, group.attn)
+def _group_values(graphdef: Any, cfg: LearnerConfig, value_params: Any, group: TokenRows
+                  ) -> jax.Array:
+    return critic_token_values(cfg.merge(graphdef, value_params), group.tokens, group.attn)
 
 
 def _targets(values: jax.Array, batch: TrainBatch, *, a: Any, window: int) -> Targets:

@@ -16,7 +16,8 @@ from flax import nnx
 from tppo_jax import algo
 from tppo_jax.config import AlgoConfig, Config, OptimConfig
 from tppo_jax.kernels.logprobs import token_logprobs
-from tppo_jax.learner.batch import PolicyRows, ValueRows
+from tppo_jax.learner.batch import PolicyRows, TokenRows, ValueRows
+from tppo_jax.models.precision import cast_params, compute_dtype
 
 Array = jax.Array
 
@@ -29,16 +30,25 @@ class LearnerConfig:
     optim: OptimConfig
     window: int
     temperature: float
+    # The dtype the forward passes cast the stored params to (bfloat16 compute on float32
+    # master params, models/precision.py); None: the params' own dtype, no cast
+    compute_dtype: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, window: int | None = None) -> LearnerConfig:
         """A run's learner knobs: its algo and optim sections, the window (``rollout.window``
-        unless given, at most L) and the sampling temperature the log-probs are taken at
-        (greedy decoding, temperature 0, scores at 1)."""
-        r = cfg.rollout
+        unless given, at most L), the sampling temperature the log-probs are taken at
+        (greedy decoding, temperature 0, scores at 1) and the compute dtype."""
+        r, m = cfg.rollout, cfg.model
         return cls(algo=cfg.algo, optim=cfg.optim,
                    window=min(r.window if window is None else window, r.max_response_len),
-                   temperature=r.temperature if r.temperature > 0 else 1.0)
+                   temperature=r.temperature if r.temperature > 0 else 1.0,
+                   compute_dtype=compute_dtype(m.dtype, m.param_dtype))
+
+    def merge(self, graphdef: Any, params: Any) -> nnx.Module:
+        """The model of ``params`` as the forward runs it (cast to ``compute_dtype``; the
+        gradient flows back through the cast in the params' dtype)."""
+        return nnx.merge(graphdef, cast_params(params, self.compute_dtype))
 
 
 def shift_right(x: Array) -> Array:
@@ -77,19 +87,33 @@ def policy_loss(graphdef: Any, params: Any, mb: PolicyRows, denoms: dict[str, Ar
     ``kl_coef > 0``), each divided by the minibatch's counts (``denoms``: ``tokens`` /
     ``rows`` of the policy mask, ``positive`` tokens)."""
     a = cfg.algo
-    model = nnx.merge(graphdef, params)
+    model = cfg.merge(graphdef, params)
     hidden = model.hidden_states(mb.tokens, attention_mask=mb.attn)
     logp, ent = logprobs_from_hidden(model, hidden, mb.tokens, cfg.temperature)
-    pl, stats = algo.policy_loss(logp, mb.sample_logprobs, mb.advantages, mb.policy_mask,
+    # sampler_correction: the old policy is the learner's own forward before the update
+    old = mb.sample_logprobs if mb.old_logprobs is None else mb.old_logprobs
+    if a.sampler_correction != "none" and mb.old_logprobs is None:
+        raise ValueError(f"algo.sampler_correction: {a.sampler_correction} needs the targets' "
+                         "old_logprobs (Learner.step computes them)")
+    weights = (algo.tis_weights(mb.old_logprobs, mb.sample_logprobs, a.tis_cap)
+               if a.sampler_correction == "tis" else None)
+    pl, stats = algo.policy_loss(logp, old, mb.advantages, mb.policy_mask,
                                  eps_low=a.eps_low, eps_high=a.eps_high,
                                  dual_clip_c=a.dual_clip_c, aggregation=a.loss_aggregation,
-                                 n_tokens=denoms["tokens"], n_rows=denoms["rows"])
+                                 n_tokens=denoms["tokens"], n_rows=denoms["rows"],
+                                 weights=weights)
     nll = algo.nll_loss(logp, mb.positive_mask, n_tokens=denoms["positive"])
     stats = dict(stats, pg_loss=pl, nll_loss=nll,
-                 entropy=algo.aggregate(ent, mb.policy_mask, denom=denoms["tokens"]))
+                 entropy=algo.aggregate(ent, mb.policy_mask, denom=denoms["tokens"]),
+                 **algo.sampler_gap(jax.lax.stop_gradient(logp), mb.sample_logprobs,
+                                    mb.policy_mask, eps_low=a.eps_low, eps_high=a.eps_high,
+                                    n_tokens=denoms["tokens"]))
+    if weights is not None:
+        stats["tis_weight_mean"] = algo.aggregate(weights, mb.policy_mask,
+                                                  denom=denoms["tokens"])
     loss = pl + a.nll_coef * nll
     if ref is not None:
-        kl = reference_kl(nnx.merge(graphdef, jax.lax.stop_gradient(ref)), logp, mb,
+        kl = reference_kl(cfg.merge(graphdef, jax.lax.stop_gradient(ref)), logp, mb,
                           denoms["tokens"], cfg.temperature)
         stats["kl_ref"] = kl
         loss = loss + a.kl_coef * kl
@@ -101,8 +125,17 @@ def value_loss(graphdef: Any, params: Any, mb: ValueRows, denoms: dict[str, Arra
     """Clipped value regression to MC returns on one row group's value mask (finished rows
     only), divided by the minibatch's ``denoms`` (``tokens`` / ``rows`` of the value mask)."""
     a = cfg.algo
-    v = critic_token_values(nnx.merge(graphdef, params), mb.tokens, mb.attn)
+    v = critic_token_values(cfg.merge(graphdef, params), mb.tokens, mb.attn)
     return algo.value_loss(v, mb.values_old, mb.returns, mb.value_mask,
                            clip_low=a.value_clip_low, clip_high=a.value_clip_high,
                            aggregation=a.loss_aggregation, n_tokens=denoms["tokens"],
                            n_rows=denoms["rows"])
+
+
+def group_logprobs(graphdef: Any, params: Any, group: TokenRows, *, cfg: LearnerConfig
+                   ) -> Array:
+    """``[R, W]`` the policy's log-probs of a row group's tokens (no gradient): the
+    learner's old policy for ``algo.sampler_correction``."""
+    model = cfg.merge(graphdef, params)
+    hidden = model.hidden_states(group.tokens, attention_mask=group.attn)
+    return logprobs_from_hidden(model, hidden, group.tokens, cfg.temperature)[0]

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from tppo_jax.config import Config
 from tppo_jax.learner.state import TrainState
 from tppo_jax.models.lora import join_params, split_trainable
+from tppo_jax.models.precision import cast_params, compute_dtype
 
 # The critic's params that train in full under LoRA (models/value.py): its scalar head.
 VALUE_HEAD = ("head", "head_bias")
@@ -49,6 +50,8 @@ def model_key(cfg: Config, *, with_lora: bool) -> dict[str, Any]:
     ``with_lora`` and LoRA on, so keys made before they existed (or with LoRA off) stay the
     same: the warm-start (a full-weight run of its own) never depends on them."""
     d = asdict(cfg.model)
+    if d["param_dtype"] == "float32":  # the default joins no key: keys made before it stay
+        del d["param_dtype"]
     if with_lora and cfg.model.lora_rank:
         return d
     return {k: v for k, v in d.items() if k not in LORA_SETTINGS}
@@ -121,6 +124,23 @@ def rejoin(part: Any, like: Any, keep: tuple[str, ...] | None) -> Any:
     """A model's trained ``part`` joined with the frozen rest of ``like`` (``part`` itself
     when ``keep`` is None: it is the whole model)."""
     return part if keep is None else join_params(part, split_trainable(like, keep)[1])
+
+
+def master_params(params: Any, keep: tuple[str, ...] | None, cfg: Config) -> Any:
+    """A model's params as the ``TrainState`` stores them: the part that trains in
+    ``model.param_dtype`` (float32 masters of a bfloat16 model, ``models/precision.py``),
+    the frozen LoRA base as loaded (and LoRA adapters, float32 already)."""
+    if cfg.model.param_dtype == cfg.model.dtype:
+        return params
+    train, frozen = ((params, None) if keep is None else split_trainable(params, keep))
+    train = cast_params(train, cfg.model.param_dtype)
+    return train if frozen is None else join_params(train, frozen)
+
+
+def compute_copy(params: Any, cfg: Config) -> Any:
+    """``params`` in the dtype the model computes in (``model.dtype``): the decode copy of
+    the policy and the KL reference; ``params`` itself when they are stored so already."""
+    return cast_params(params, compute_dtype(cfg.model.dtype, cfg.model.param_dtype))
 
 
 # The checkpoint item readers take a run's policy from.

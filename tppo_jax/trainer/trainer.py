@@ -70,7 +70,9 @@ from tppo_jax.runs.wandb_log import wandb_settings
 from tppo_jax.trainer.collect import Rollout, collect, init_value_bias, learner_input
 from tppo_jax.trainer.models import Models, decode_shardings, load_models, reference_copy
 from tppo_jax.trainer.params import (
+    compute_copy,
     evaluated,
+    master_params,
     saved_items,
     step_ema,
     trainable_keys,
@@ -245,18 +247,21 @@ class Trainer:
         tx_p, tx_v = policy_optimizer(cfg.optim), value_optimizer(cfg.optim)
         keep_p, keep_v = trainable_keys(cfg)  # LoRA: AdamW states for the adapters alone
         models = self.models
-        vopt = (None if models.value is None  # critic-free
-                else commit_to_mesh(tx_v.init(trained_part(models.value, keep_v)), self.mesh))
-        state = TrainState(models.policy, models.value,
-                           commit_to_mesh(tx_p.init(trained_part(models.policy, keep_p)),
-                                          self.mesh), vopt)
+        # model.param_dtype: float32 masters (and AdamW moments) of a bfloat16 model
+        pm = master_params(models.policy, keep_p, cfg)
+        vm = None if models.value is None else master_params(models.value, keep_v, cfg)
+        vopt = (None if vm is None  # critic-free
+                else commit_to_mesh(tx_v.init(trained_part(vm, keep_v)), self.mesh))
+        state = TrainState(pm, vm, commit_to_mesh(tx_p.init(trained_part(pm, keep_p)), self.mesh),
+                           vopt)
         models.policy = models.value = None  # the params live in TrainState: no second copy
         self.state = with_ema(state, cfg)  # before a restore: the template of its checkpoint
         # The policy RL started from, for algo.kl_coef > 0 (else None), made before a resume
         # restores the trained params so a resumed run keeps the same reference. LoRA: the
         # frozen base is the reference (adapters zeroed inside the loss): no copy.
         copy_ref = cfg.algo.kl_coef > 0 and keep_p is None
-        self.ref_policy = reference_copy(self.state.policy) if copy_ref else None
+        self.ref_policy = (reference_copy(compute_copy(self.state.policy, cfg)) if copy_ref
+                           else None)
         self.sched = self.scheduler()
         if resume:
             self.restore()
@@ -327,10 +332,12 @@ class Trainer:
     def _policy_module(self, state: TrainState) -> tuple[nnx.Module, Reshard | None]:
         """``policy_module``, and with a decode layout how long its reshard took and how many
         bytes it copied (``None`` in the training layout: nothing moves)."""
+        # The decode copy is in model.dtype (cast from float32 masters)
+        policy = compute_copy(state.policy, self.cfg)
         if self.decode_shardings is None:
-            return nnx.merge(self.models.policy_def, state.policy), None
+            return nnx.merge(self.models.policy_def, policy), None
         t0 = time.perf_counter()
-        params = jax.block_until_ready(reshard(state.policy, self.decode_shardings))
+        params = jax.block_until_ready(reshard(policy, self.decode_shardings))
         moved = Reshard(time.perf_counter() - t0,
                         sum(x.nbytes for x in jax.tree.leaves(params)))
         return nnx.merge(self.models.policy_def, params), moved

@@ -106,7 +106,11 @@ def _key(cfg: Config, on_bad_row: str) -> str:
     data = {k: v for k, v in keyed_data(cfg).items()
             if not (k == "eval_size" and cfg.data.source == "synthetic")}
     data["on_bad_row"] = on_bad_row
-    blob = json.dumps({"model": model_key(cfg, with_lora=False), "data": data,
+    # The warm-start trains in float32 whatever model.dtype (it stands in for a pretrained
+    # checkpoint; a bfloat16 run reads it cast, as it would a bfloat16 HF folder).
+    model = {**model_key(cfg, with_lora=False), "dtype": "float32"}
+    model.pop("param_dtype", None)
+    blob = json.dumps({"model": model, "data": data,
                        "train": [t.warmstart_steps, t.warmstart_lr, t.warmstart_batch,
                                  *batching],
                        "teacher": [cfg.train.warmstart_wrong_step_frac,
@@ -281,7 +285,7 @@ def _train(cfg: Config, cache: Path, progress: bool) -> None:
     tok = train_sentencepiece(texts, cache / "tokenizer", vocab_size=128)
     seq_len = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     ids, mask = encode_corpus(tok, texts, seq_len)
-    mcfg = tiny_model_config(cfg, tok.vocab_size)
+    mcfg = dataclasses.replace(tiny_model_config(cfg, tok.vocab_size), dtype="float32")
     # Seeded by data.seed, not train.seed: RL runs with different seeds share one base model.
     model = create_model(mcfg, seed=cfg.data.seed)
     opt = nnx.Optimizer(model, optax.adamw(optax.warmup_cosine_decay_schedule(
