@@ -352,3 +352,32 @@ def test_text_stream_holds_back_a_possible_stop_string():
     assert s.stopped and s.text == "a b" and s.rest() == ""
     s = TextStream(lambda ids: {(1,): "xE", (1, 2): "xEy"}[tuple(ids)], stop=("END",))
     assert [s.push(1), s.push(2), s.rest()] == ["x", "Ey", ""] and not s.stopped
+
+
+def test_the_openai_client_sends_what_the_server_takes(served):
+    """The official ``openai`` client against the server: chat with per-request sampling,
+    a seed, ``n``, log-probs and a stop string; completions from token ids; an unknown
+    parameter is a 400 the client raises as ``BadRequestError``."""
+    openai = pytest.importorskip("openai")
+    _, _, _, http = served
+    client = openai.OpenAI(base_url=f"http://{http.host}:{http.port}/v1", api_key="none",
+                           max_retries=0, timeout=120)
+    assert client.models.list().data[0].id == "fixture"
+    kw = dict(model="fixture", messages=MESSAGES, max_tokens=3, temperature=2.0, seed=5, n=2,
+              logprobs=True, top_logprobs=2)
+    a, b = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert len(a.choices) == 2 and all(len(c.logprobs.content) >= 1 for c in a.choices)
+    assert all(e.logprob <= 0 and len(e.top_logprobs) == 2
+               for c in a.choices for e in c.logprobs.content)
+    greedy = client.completions.create(model="fixture", prompt=[17, 33, 5, 200], max_tokens=N,
+                                       temperature=0)
+    text = greedy.choices[0].text
+    words = text.split()
+    assert len(words) >= 3
+    cut = client.completions.create(model="fixture", prompt=[17, 33, 5, 200], max_tokens=N,
+                                    temperature=0, stop=[words[2]])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text.split() == words[:2]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="fixture", messages=MESSAGES, max_tokens=1,
+                                       extra_body={"no_such_parameter": 1})
