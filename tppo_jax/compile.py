@@ -86,6 +86,13 @@ def per_chip_bytes(tree: Any) -> int:
     return n
 
 
+def _copied(copy: Any, of: Any) -> list[Any]:
+    """The leaves of ``copy`` a run holds besides ``of`` (same tree): those in another
+    dtype or layout; the rest (a LoRA run's frozen base) are the same arrays."""
+    return [a for a, b in zip(jax.tree.leaves(copy), jax.tree.leaves(of), strict=True)
+            if a.dtype != b.dtype or a.sharding != b.sharding]
+
+
 def abstract_decode_state(engine: Any, mesh: Any) -> Any:
     """The engine's empty ``DecodeState`` as abstract arrays laid out as the engine makes it:
     a dense cache sharded over ``mesh`` (``DenseKVCache.init_on_mesh``), a paged pool split
@@ -224,6 +231,7 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     from tppo_jax.rollout.engine import EngineParams
     from tppo_jax.rollout.scheduler import make_engine
     from tppo_jax.trainer.params import (
+        master_params,
         shares_base,
         split_trainable,
         trainable_keys,
@@ -238,8 +246,13 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     keep_p, keep_v = trainable_keys(cfg)
     learner_cfg = LearnerConfig.from_config(cfg)
     tx_p, tx_v = policy_optimizer(o), value_optimizer(o)
-    popt = abstract_opt_state(tx_p, trained_part(pparams, keep_p), mesh)
     critic = vdef is not None  # else a critic-free estimator: no value programs
+    # What the TrainState holds, as a run builds it: float32 masters of a bfloat16 model
+    # (model.param_dtype); rollouts, evals and the KL reference read a model-dtype copy.
+    compute = pparams
+    pparams = master_params(pparams, keep_p, cfg)
+    vparams = master_params(vparams, keep_v, cfg) if critic else None
+    popt = abstract_opt_state(tx_p, trained_part(pparams, keep_p), mesh)
     vopt = abstract_opt_state(tx_v, trained_part(vparams, keep_v), mesh) if critic else None
     learner = Learner(pdef, vdef, learner_cfg, mesh=mesh,
                       state=TrainState(pparams, vparams, popt, vopt), trainable=(keep_p, keep_v))
@@ -256,9 +269,9 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
         live.update(value_params=per_chip_bytes(vparams) - shared,
                     value_opt=per_chip_bytes(vopt))
     ref = None
-    if cfg.algo.kl_coef > 0 and keep_p is None:  # setup.reference_copy
-        ref = pparams
-        live["reference_policy"] = live["policy_params"]
+    if cfg.algo.kl_coef > 0 and keep_p is None:  # trainer: reference_copy(compute_copy(...))
+        ref = compute
+        live["reference_policy"] = per_chip_bytes(compute)
     programs: list[Program] = []
     facts: dict[str, Any] = {"slots": b, "seq_len": s, "widths": widths,
                              "max_group_rows": max_rows, "batch_ways": unit}
@@ -321,13 +334,15 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     # host, split into one block per batch shard across hosts (each host's own pages).
     dmesh = decode_mesh(mesh, cfg.mesh.decode_tensor) if cfg.mesh.decode_tensor else mesh
     rows_sh, rep = batch_spec(dmesh), NamedSharding(dmesh, PartitionSpec())
-    rollout_params = pparams
+    rollout_params = compute
     if cfg.mesh.decode_layout == "decode":
         from tppo_jax.models.transformer import param_shardings
         dec = nnx.to_pure_dict(param_shardings(models["policy_state"], dmesh,
                                                rules=layout_rules("decode")))
-        rollout_params = jax.tree.map(_sds, pparams, dec)
-        live["decode_copy"] = per_chip_bytes(rollout_params)
+        rollout_params = jax.tree.map(_sds, compute, dec)
+    copied = _copied(rollout_params, pparams)  # another layout, or the masters' dtype cast
+    if copied:
+        live["decode_copy"] = per_chip_bytes(copied)
     policy = nnx.merge(pdef, rollout_params)
     sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
     # ``auto`` as it resolves on the slice, not on this machine: paged on TPU
@@ -522,6 +537,7 @@ def models_summary(cfg: Config, unroll_layers: bool = False, layers: int | None 
     memory figures then are those of the smaller model)."""
     mc = model_config(cfg, unroll_layers, layers)
     return {"path": cfg.model.path, "source": cfg.model.source, "dtype": mc.dtype,
+            "param_dtype": cfg.model.param_dtype,
             "layers": model_config(cfg).num_layers, "num_layers_compiled": mc.num_layers,
             "hidden": mc.hidden_size, "remat": mc.remat,
             "lora_rank": cfg.model.lora_rank, "scanned_layers": not unroll_layers}

@@ -27,6 +27,8 @@ FLOAT32_PARAMS = ("head", "head_bias")
 def _cast(tree: Any, dtype: Any) -> Any:
     def leaf(x):
         if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            if isinstance(x, jax.ShapeDtypeStruct):  # the compile path's abstract params
+                return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
             return x.astype(dtype)
         return x
     return jax.tree.map(leaf, tree)
