@@ -73,7 +73,12 @@ def test_serve_stream_reject_and_stop(server, capsys):
     # The HTTP door of the same server (this tokenizer has no chat template: plain).
     assert main(["generate", "--port", str(proc.http_port), "--max-tokens", "6", "1+2?"]) == 0
     assert capsys.readouterr().out.strip(), "no tokens streamed over HTTP"
-    assert main(["generate", "--port", str(proc.http_port), "--temperature", "0.3", "hi"]) == 1
+    # Sampling is per request: a greedy server samples at the temperature a request names,
+    # and refuses one out of range in one line.
+    assert main(["generate", "--port", str(proc.http_port), "--temperature", "0.3", "--seed",
+                 "1", "--max-tokens", "4", "hi"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["generate", "--port", str(proc.http_port), "--temperature", "1000", "hi"]) == 1
     assert "temperature" in capsys.readouterr().err
 
     assert main(["generate", "--port", str(port), "--token-ids", "5,100000"]) == 1

@@ -33,10 +33,9 @@ class TrainState:
     def items(self) -> dict[str, Any]:
         """The trees by checkpoint item name (the names existing checkpoints use); a
         critic-free run has no ``value`` / ``value_opt``."""
-        ema = {} if self.policy_ema is None else {"policy_ema": self.policy_ema}
-        critic = ({} if self.value is None
-                  else {"value": self.value, "value_opt": self.value_opt})
-        return {"policy": self.policy, **critic, "policy_opt": self.policy_opt, **ema}
+        trees = {"policy": self.policy, "value": self.value, "policy_opt": self.policy_opt,
+                 "value_opt": self.value_opt, "policy_ema": self.policy_ema}
+        return {k: v for k, v in trees.items() if v is not None}
 
     @classmethod
     def from_items(cls, trees: dict[str, Any], step: int, mesh: Any) -> TrainState:
