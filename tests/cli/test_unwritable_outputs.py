@@ -81,6 +81,7 @@ def test_eval_prints_its_result_before_a_write_that_fails(tmp_path):
     r = subprocess.run([sys.executable, "-c", FULL_DISK, str(out)], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 1, r.stderr
+    assert r.stdout, r.stderr
     assert json.loads(r.stdout)["accuracy"] == 61.5
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and f"not saved: cannot write {out}: File too large" in err[0], err
