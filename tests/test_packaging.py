@@ -42,7 +42,7 @@ def test_a_wheel_carries_configs_kernels_and_benchmarks(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(target))  # ahead of the editable checkout
     code = ("import tppo_jax, sys; from tppo_jax.cli import main; print(tppo_jax.__file__); "
             "from tppo_jax.config import load_config; "
-            "from tppo_jax.trainer.warmstart import shipped; "
+            "from tppo_jax.weights.warmstart import shipped; "
             "print(shipped(load_config('default'))); "
             "sys.exit(main(['config', '--config', 'ppo']))")
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,

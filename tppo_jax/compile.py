@@ -157,7 +157,7 @@ def abstract_models(cfg: Config, mesh: Any, mc: Any = None) -> dict[str, Any]:
     from tppo_jax.models.lora import add_lora, lora_spec
     from tppo_jax.models.transformer import Transformer, param_shardings
     from tppo_jax.models.value import ValueModel
-    from tppo_jax.trainer.params import share_base, shares_base
+    from tppo_jax.weights.params import share_base, shares_base
 
     mc = mc or model_config(cfg)
     spec = lora_spec(cfg.model)
@@ -230,7 +230,7 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.rollout.engine import EngineParams
     from tppo_jax.rollout.scheduler import make_engine
-    from tppo_jax.trainer.params import (
+    from tppo_jax.weights.params import (
         master_params,
         shares_base,
         split_trainable,

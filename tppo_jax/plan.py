@@ -265,7 +265,7 @@ def _models_rows(cfg: Config, a: Arch, mesh: dict[str, int], dtype_bytes: int
     targets = parse_lora_targets(m.lora_targets)
     adapters = list(a.lora_tensors(m.lora_rank, targets))
     policy = _model_rows(adapters, mesh, dtype_bytes, frozen=a.policy_tensors())
-    shared = m.value_lora and m.value_init == "policy"  # trainer/params.py shares_base
+    shared = m.value_lora and m.value_init == "policy"  # weights/params.py shares_base
     if m.value_lora:
         # The frozen backbone: all but the fp32 head; none of its own when shared
         backbone = [] if shared else [t for t in a.value_tensors() if not t[2]]

@@ -102,7 +102,7 @@ def test_jobs_train_each_seeds_two_runs_side_by_side(tmp_path, monkeypatch):
                               "--sweep", "30,40", "algo.kl_coef=0.5",
                               "rollout.window=16"])
     assert args.sweep == [30.0, 40.0]
-    monkeypatch.setattr("tppo_jax.trainer.warmstart.cached", lambda *a, **k: None)
+    monkeypatch.setattr("tppo_jax.weights.warmstart.cached", lambda *a, **k: None)
     tppo_vs_ppo._train_side_by_side(args, 64, tmp_path)
     assert got["n"] == 2
     assert [j.name for j in got["jobs"]] == ["tppo-seed0", "ppo-seed0", "tppo-seed1",

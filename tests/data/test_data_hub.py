@@ -186,7 +186,7 @@ def test_config_checks_the_names(over: str, ok: bool) -> None:
 
 
 def test_the_warmstart_key_ignores_hub_keys_for_synthetic_data() -> None:
-    from tppo_jax.trainer.warmstart import warmstart_key
+    from tppo_jax.weights.warmstart import warmstart_key
 
     base = warmstart_key(load_config(None))
     assert base == warmstart_key(load_config(None, ["data.split=test", "data.hf_config=x"]))

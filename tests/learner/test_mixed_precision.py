@@ -16,7 +16,7 @@ from tppo_jax.learner import Learner, LearnerConfig, TrainBatch, TrainState
 from tppo_jax.models.precision import cast_params
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.models.value import ValueModel
-from tppo_jax.trainer.params import compute_copy, master_params
+from tppo_jax.weights.params import compute_copy, master_params
 
 GAP = ("sampler_gap_abs_mean", "sampler_gap_abs_max", "sampler_kl", "sampler_clip_frac")
 

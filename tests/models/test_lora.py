@@ -29,7 +29,7 @@ from tppo_jax.models.lora import (
 from tppo_jax.models.transformer import PROJECTIONS, ModelConfig, Transformer, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel.mesh import make_mesh
-from tppo_jax.trainer.params import VALUE_HEAD
+from tppo_jax.weights.params import VALUE_HEAD
 
 ALL = LoraSpec(rank=4, alpha=8.0, targets=LORA_TARGETS)
 

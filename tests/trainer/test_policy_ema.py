@@ -13,7 +13,7 @@ import pytest
 
 from tppo_jax.config import ConfigError, load_config
 from tppo_jax.runs.run_config import frozen
-from tppo_jax.trainer.params import EMA_ITEM, LIVE_ITEM, ema_update, evaluated, policy_item
+from tppo_jax.weights.params import EMA_ITEM, LIVE_ITEM, ema_update, evaluated, policy_item
 from tppo_jax.trainer.trainer import Trainer
 
 SMALL = ["train.warmstart_steps=20", "logging.tensorboard=false", "train.compile_cache=",

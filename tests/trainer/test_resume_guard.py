@@ -20,7 +20,7 @@ from tppo_jax.runs.run_config import (
     run_config_text,
 )
 from tppo_jax.runs.run_dir import resolve_run_dir
-from tppo_jax.trainer import warmstart
+from tppo_jax.weights import warmstart
 
 
 def start_problem(rd, resume):

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from tppo_jax.config import load_config
-from tppo_jax.trainer.warmstart import (
+from tppo_jax.weights.warmstart import (
     CACHE_FILES,
     SHIPPED,
     SHIPPED_CONFIGS,
@@ -20,7 +20,7 @@ from tppo_jax.trainer.warmstart import (
 
 pytestmark = pytest.mark.skipif(
     not any(SHIPPED.glob("warmstart-*")), reason="no warm-start ships in this checkout yet: "
-    "python -m tppo_jax.trainer.warmstart writes them")
+    "python -m tppo_jax.weights.warmstart writes them")
 
 
 def test_the_default_finds_its_shipped_warmstart_and_nothing_else_ships():
@@ -42,7 +42,7 @@ def test_the_default_finds_its_shipped_warmstart_and_nothing_else_ships():
 
 def test_a_matching_config_copies_the_shipped_files_instead_of_training(tmp_path, caplog):
     cfg = load_config("default")
-    with caplog.at_level(logging.INFO, logger="tppo_jax.trainer.warmstart"):
+    with caplog.at_level(logging.INFO, logger="tppo_jax.weights.warmstart"):
         cache = cached(cfg, tmp_path, progress=False)
     assert cache == tmp_path / f"warmstart-{warmstart_key(cfg)}"
     for f in CACHE_FILES:
@@ -56,7 +56,7 @@ def test_the_shipped_default_answers_held_out_questions_greedily():
     from tppo_jax.data.run_data import prompt_rows
     from tppo_jax.eval.heldout import evaluate
     from tppo_jax.rewards.grader import MathGrader
-    from tppo_jax.trainer.warmstart import _load
+    from tppo_jax.weights.warmstart import _load
 
     cfg = load_config("default", ["data.eval_size=64"])
     tok, policy = _load(cfg, shipped(cfg), None)

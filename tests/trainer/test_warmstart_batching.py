@@ -3,7 +3,7 @@
 import numpy as np
 
 from tppo_jax.config import load_config
-from tppo_jax.trainer.warmstart import WIDTH_BUCKET, batch_rows, warmstart_key
+from tppo_jax.weights.warmstart import WIDTH_BUCKET, batch_rows, warmstart_key
 
 
 def _long_tailed_lengths(n: int = 400) -> np.ndarray:
@@ -55,7 +55,7 @@ def test_corpus_rows_start_with_the_prompt_ids_a_rollout_sees(tmp_path):
     from tppo_jax.data.prompts import SHORT_ANSWER_CUE
     from tppo_jax.data.synthetic import SyntheticMathTask
     from tppo_jax.models.tokenizer import train_sentencepiece
-    from tppo_jax.trainer.warmstart import encode_corpus
+    from tppo_jax.weights.warmstart import encode_corpus
 
     task = SyntheticMathTask(seed=0, difficulty=2.0, max_operand=3, max_value=40,
                              max_steps=8, style="daily")

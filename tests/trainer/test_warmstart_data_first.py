@@ -10,7 +10,7 @@ import pytest
 from tppo_jax.config import load_config
 from tppo_jax.data.readers import DataError
 from tppo_jax.trainer.trainer import Trainer
-from tppo_jax.trainer.warmstart import warmstart_key
+from tppo_jax.weights.warmstart import warmstart_key
 
 
 def test_the_warmstart_key_does_not_depend_on_the_data_source(tmp_path):

@@ -713,7 +713,7 @@ def _task_lengths(cfg, runs: Path | None, n: int) -> np.ndarray:
     if tok_file is not None:
         tok = Tokenizer.load(tok_file)
     else:
-        from tppo_jax.trainer import warmstart as ws
+        from tppo_jax.weights import warmstart as ws
 
         texts = synthetic_task(cfg).teacher_corpus(ws.TEACHER_SIZE,
                                                    cfg.train.warmstart_wrong_step_frac,

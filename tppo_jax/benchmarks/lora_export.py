@@ -80,13 +80,14 @@ def _ours(run_dir: Path, n: int) -> tuple[list[list[int]], list[np.ndarray], lis
     rollout engine, as the held-out eval decodes)."""
     import jax.numpy as jnp
 
-    from tppo_jax.cli.runs import load_run_policy
     from tppo_jax.data.prompts import prompt_builder
     from tppo_jax.data.run_data import load_data
     from tppo_jax.eval.heldout import generate_answers
     from tppo_jax.rollout.decode import SamplingParams
+    from tppo_jax.weights.restore import policy_from_run
 
-    cfg, tok, policy, step, _ = load_run_policy(run_dir, None, merge_lora=False)
+    got = policy_from_run(run_dir, merge_lora=False)
+    cfg, tok, policy, step = got.cfg, got.tokenizer, got.model, got.step
     assert policy.backbone.layers.attn.lora is not None, "adapters were merged"
     prompter = prompt_builder(cfg, tok)
     rows = [prompter.ids(e, tok) for e in load_data(cfg)[1][:n]]
@@ -116,8 +117,13 @@ def _peft_rule(base: Path, export: Path, alpha: float) -> float:
     return worst
 
 
+def _tppo(*argv: str) -> None:
+    """``tppo ARGV`` as users run it (a process of its own: the package never imports its
+    CLI); a failure stops the benchmark."""
+    subprocess.run([sys.executable, "-m", "tppo_jax.cli", *argv], check=True)
+
+
 def run(args: argparse.Namespace) -> dict:
-    from tppo_jax.cli import main
     from tppo_jax.models.hf import from_pretrained
 
     runs = Path(args.runs)
@@ -125,7 +131,7 @@ def run(args: argparse.Namespace) -> dict:
     reuse = args.reuse and (run_dir / "summary.json").exists()
     wall_s = None if reuse else _train(args, run_dir)
     rows, ours, greedy, meta = _ours(run_dir, args.prompts)
-    assert main(["export", str(run_dir), str(export)]) == 0
+    _tppo("export", str(run_dir), str(export))
     merged = from_pretrained(export)
     summary = json.loads((run_dir / "summary.json").read_text())
     out: dict = {"config": args.config, "steps": summary["steps"],
@@ -135,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
         float(np.abs(np.asarray(merged(np.asarray([ids]))[0]) - lg).max())
         for ids, lg in zip(rows, ours, strict=True))
     if meta["source"] == "gguf":  # the base as HF weights, for PEFT's rule
-        assert main(["convert", meta["path"], str(base)]) == 0
+        _tppo("convert", meta["path"], str(base))
         out["peft_rule_vs_merged"] = _peft_rule(base, export, meta["lora_alpha"])
     ids_file = runs / "ids.json"
     ids_file.write_text(json.dumps(rows))

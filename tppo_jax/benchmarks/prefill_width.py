@@ -60,7 +60,7 @@ def warm_started(args: argparse.Namespace):
     cached warm-start under ``args.out``'s ``runs/`` (as tppo-vs-ppo), the trainer's rows."""
     from tppo_jax.config import load_config
     from tppo_jax.data.run_data import prompt_rows
-    from tppo_jax.trainer.warmstart import warmstart
+    from tppo_jax.weights.warmstart import warmstart
 
     cfg = load_config(args.config, args.overrides)
     stem = Path(args.config).stem

@@ -45,7 +45,7 @@ def warmstart_once(config: str, overrides: list[str], runs: Path, *, progress: b
     """Trains the tiny model's warm-start into ``runs`` (the cache its runs share) before any
     job starts, so parallel runs do not each train it; other model sources need none."""
     from tppo_jax.config import load_config
-    from tppo_jax.trainer.warmstart import cached
+    from tppo_jax.weights.warmstart import cached
 
     cfg = load_config(config, overrides)
     runs.mkdir(parents=True, exist_ok=True)

@@ -307,7 +307,7 @@ def _length_report(runs: Path, cfg) -> dict | None:
 
     from tppo_jax.data.run_data import synthetic_task
     from tppo_jax.models.tokenizer import Tokenizer
-    from tppo_jax.trainer.warmstart import warmstart_key
+    from tppo_jax.weights.warmstart import warmstart_key
 
     tok_file = runs / f"warmstart-{warmstart_key(cfg)}" / "tokenizer.model"
     if cfg.data.source != "synthetic" or not tok_file.exists():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 import typing
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,9 +20,9 @@ from tppo_jax.config_checks import ConfigError
 from tppo_jax.data.formats import Format
 
 if TYPE_CHECKING:
-    from tppo_jax.cli.policy import LoadedPolicy
     from tppo_jax.config import Config
     from tppo_jax.eval.benchmark import Benchmark
+    from tppo_jax.weights.restore import LoadedPolicy
 
 # The options only the benchmark eval reads (dest names), each None unless given.
 BENCHMARK_ONLY = ("format", "split", "limit", "max_tokens", "batch_size", "seed", "config")
@@ -66,13 +65,12 @@ def refuse_benchmark_options(args: argparse.Namespace) -> None:
                           f"reads the run's own config)")
 
 
-def cmd_benchmark(args: argparse.Namespace, load_run: Callable[[Path, int | None], tuple]
-                  ) -> int:
+def cmd_benchmark(args: argparse.Namespace) -> int:
     """Reads the benchmark and the model (cheap checks first), runs the protocol, prints
-    the table and writes the JSON report. ``load_run``: ``cli.runs.load_run_policy`` (passed
-    in by ``tppo eval``: this module never imports the command module that registers it)."""
-    from tppo_jax.cli.policy import is_run_dir, load_policy, resolve_policy_path
+    the table and writes the JSON report."""
     from tppo_jax.eval.benchmark import load_questions, resolve_benchmark
+    from tppo_jax.weights.named import policy_from_name, resolve_policy_path
+    from tppo_jax.weights.restore import is_run_dir
 
     fmt = args.format
     if fmt is None and Path(args.benchmark).is_file():
@@ -93,8 +91,8 @@ def cmd_benchmark(args: argparse.Namespace, load_run: Callable[[Path, int | None
         base = load_config(args.config)
     rows = load_questions(bench, args.limit)
     print(f"{bench.name}: {len(rows)} questions from {bench.describe()}", file=sys.stderr)
-    policy = load_policy(str(path), dtype=base.model.dtype if base else "float32",
-                         load_run=load_run, step=args.step, flag="model")
+    policy = policy_from_name(str(path), dtype=base.model.dtype if base else "float32",
+                              step=args.step, flag="model")
     policy = replace(policy, ref=args.run_dir)  # a Hub id as written, not its cache path
     cfg = _benchmark_config(policy, base, bench)
     report = _evaluate(args, bench, rows, policy, cfg)

@@ -21,8 +21,6 @@ from tppo_jax.eval.protocol import PROTOCOLS
 
 if TYPE_CHECKING:
     from tppo_jax.config import Config
-    from tppo_jax.models.tokenizer import Tokenizer
-    from tppo_jax.runs.checkpoint import Checkpointer
 
 
 def _preview_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +36,7 @@ def cmd_data_preview(args: argparse.Namespace) -> int:
     from tppo_jax.data.run_data import load_data, synthetic_task
     from tppo_jax.data.synthetic import length_histogram
     from tppo_jax.models.tokenizer import Tokenizer
-    from tppo_jax.trainer.models import model_folder
+    from tppo_jax.weights.start import model_folder
 
     cfg = load_config(args.config, args.overrides)
     train_rows, _ = load_data(cfg)
@@ -78,83 +76,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def abstract_policy(config_json: Path, dtype: str):
-    """``(graphdef, template)`` of the policy an HF ``config.json`` describes: shapes and
-    dtypes only (on this host's first device), for restoring a checkpoint into."""
-    import jax
-    from flax import nnx
-
-    from tppo_jax.models.hf import config_from_hf
-    from tppo_jax.models.transformer import Transformer
-
-    mcfg = config_from_hf(json.loads(config_json.read_text()), dtype)
-    pdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))))
-    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev),
-                            nnx.to_pure_dict(state))
-    return pdef, template
-
-
-def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True,
-                    start: bool = False):
-    """(config, tokenizer, policy model, step, tokenizer file) of a run's checkpoint (the
-    newest whose policy verifies, by default). Only the run directory is read: the policy
-    is shaped from the model config and tokenizer the run keeps (``warmstart/`` or
-    ``model/``). A LoRA run's adapters are folded into the weights unless ``merge_lora``
-    is False. ``start``: the run's starting policy (step 0) instead; without it, a run
-    with no checkpoint is a one-line ``ConfigError`` (never its warm-start as "step 0")."""
-    from flax import nnx
-
-    from tppo_jax.config import ConfigError
-    from tppo_jax.models.tokenizer import Tokenizer
-    from tppo_jax.runs.checkpoint import (
-        MODEL_SUBDIR,
-        Checkpointer,
-        CheckpointError,
-        run_model_files,
-    )
-    from tppo_jax.trainer.models import load_models, load_policy
-    from tppo_jax.trainer.params import policy_item
-    from tppo_jax.trainer.warmstart import RUN_SUBDIR
-
-    cfg = run_config(run_dir)
-    if start:
-        if step is not None:
-            raise ConfigError("--start and --step name different policies; give one")
-        tok, policy, tok_file = load_policy(cfg, run_dir, progress=False)
-        return cfg, tok, policy, 0, tok_file
-    if step is None:
-        require_checkpoint(run_dir, cfg)
-    ckpt = Checkpointer(cfg.checkpoint.dir or run_dir / "checkpoints", every=0, keep=1000)
-    try:
-        if step is not None:
-            require_step(ckpt, step)
-        if cfg.model.lora_rank:  # adapters-only checkpoints: the base as the run started it
-            from tppo_jax.trainer.models import restore_lora_policy
-
-            tok, policy, got, tok_file = restore_lora_policy(cfg, run_dir, ckpt, step,
-                                                             merge=merge_lora)
-            return cfg, tok, policy, got or 0, tok_file
-        files = run_model_files(run_dir, (RUN_SUBDIR, MODEL_SUBDIR))
-        if files is not None and (step is not None or ckpt.latest_step() is not None):
-            pdef, template = abstract_policy(files[0], cfg.model.dtype)
-            tok_file = files[1]
-            tok = Tokenizer.load(tok_file)
-        else:  # no checkpoint yet, or a run from before run dirs kept their model files
-            models = load_models(cfg, run_dir, progress=False)
-            pdef, template = models.policy_def, models.policy
-            tok, tok_file = models.tokenizer, models.tokenizer_file
-        # The newest (or the given) step whose policy files verify.
-        found = ckpt.latest_good_item(policy_item(cfg), template, step)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    finally:
-        ckpt.close()
-    if found is not None:
-        step, template = found
-    return cfg, tok, nnx.merge(pdef, template), step or 0, tok_file
-
-
 def writable_parent(path: Path, what: str) -> None:
     """Refuses, in one line, an output path whose folder is missing or not writable."""
     import os
@@ -166,49 +87,6 @@ def writable_parent(path: Path, what: str) -> None:
         raise ConfigError(f"{what} {path}: folder {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{what} {path}: cannot write in {parent} (permission denied)")
-
-
-def require_checkpoint(run_dir: Path, cfg: Config) -> None:
-    """Refuses, in one line, a run with no checkpoint to load (none written, every one set
-    aside as damaged, or a relative ``checkpoint.dir`` read from another working
-    directory), before anything loads or creates a folder."""
-    from tppo_jax.config import ConfigError
-    from tppo_jax.runs.checkpoint import checkpoint_path, listed_steps
-
-    folder = checkpoint_path(cfg.checkpoint.dir or run_dir / "checkpoints")
-    steps, damaged = listed_steps(folder)
-    if steps:
-        return
-    if damaged:
-        why = f"{folder} holds only checkpoints set aside as damaged ({', '.join(damaged)})"
-    elif not folder.exists():
-        why = f"no checkpoint folder {folder}"
-    else:
-        why = f"{folder} has no checkpoint"
-    if cfg.checkpoint.dir and "://" not in cfg.checkpoint.dir and not Path(
-            cfg.checkpoint.dir).is_absolute():
-        why += f" (checkpoint.dir {cfg.checkpoint.dir!r} is relative to where the run started)"
-    raise ConfigError(f"{run_dir} has no usable checkpoint: {why}; pass --start to use the "
-                      f"run's starting policy")
-
-
-def run_config(run_dir: Path) -> Config:
-    """A run directory's config, or a one-line error when ``run_dir`` is not one."""
-    from tppo_jax.config import ConfigError, load_config
-
-    if not (run_dir / "config.yaml").exists():
-        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-    return load_config(run_dir / "config.yaml")
-
-
-def load_run_start(run_dir: Path) -> tuple[Config, Tokenizer, Any, int]:
-    """(config, tokenizer, policy, 0): the policy a run started from (its warm-start or
-    model, without adapters), the one its eval before training scored."""
-    from tppo_jax.trainer.models import load_policy
-
-    cfg = run_config(run_dir)
-    tok, policy, _ = load_policy(cfg, run_dir, progress=False)
-    return cfg, tok, policy, 0
 
 
 def with_eval_size(cfg: Config, eval_size: int | None) -> Config:
@@ -226,20 +104,6 @@ def with_eval_size(cfg: Config, eval_size: int | None) -> Config:
                           "its last rows, so another size would score rows the run trained "
                           "on; only the synthetic task's held-out set can grow")
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_size=eval_size))
-
-
-def require_step(ckpt: Checkpointer, step: int) -> None:
-    """Refuses a ``--step`` that was never saved (naming those that were), rather than
-    reporting it as a damaged checkpoint."""
-    from tppo_jax.config import ConfigError
-
-    saved = sorted(ckpt.mngr.all_steps())
-    if step not in saved:
-        shown = saved[-20:]  # one line: the newest, when a run keeps many
-        have = ", ".join(map(str, shown)) if saved else "none"
-        have = f"..., {have}" if len(saved) > len(shown) else have
-        raise ConfigError(f"no checkpoint of step {step} in {ckpt.directory} "
-                          f"(saved steps: {have})")
 
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
@@ -285,7 +149,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if args.start or args.eval_size is not None:
             raise ConfigError("tppo eval --benchmark: --start and --eval-size are for a run's "
                               "held-out set")
-        return cmd_benchmark(args, load_run_policy)
+        return cmd_benchmark(args)
     refuse_benchmark_options(args)
     from tppo_jax.data.prompts import prompt_builder
     from tppo_jax.data.run_data import prompt_rows
@@ -294,14 +158,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tppo_jax.eval.protocol import protocol_named
     from tppo_jax.rewards.grader import MathGrader, answer_format_for
     from tppo_jax.rollout.decode import SamplingParams
+    from tppo_jax.weights.restore import policy_from_run
 
     run_dir = Path(args.run_dir)
     if args.start and args.step is not None:
         raise ConfigError("tppo eval: --start and --step name different policies; give one")
     if args.out is not None:  # before the eval, not after it
         writable_parent(Path(args.out), "--out")
-    cfg, tok, policy, step = (load_run_start(run_dir) if args.start
-                              else load_run_policy(run_dir, args.step)[:4])
+    got = policy_from_run(run_dir, args.step, start=args.start)
+    cfg, tok, policy, step = got.cfg, got.tokenizer, got.model, got.step
     if args.out is None:
         writable_parent(run_dir / "eval.json", "the run dir")
     cfg = with_eval_size(cfg, args.eval_size)
@@ -412,12 +277,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from tppo_jax.models.hf import save_peft_adapter, save_pretrained, write_special_ids
     from tppo_jax.models.lora import merge_lora
+    from tppo_jax.weights.restore import policy_from_run
 
     out = Path(args.out)
     # save_pretrained makes the missing folders: the nearest existing one must be writable.
     writable_parent(next(p for p in (out, *out.parents) if p.exists()) / "x", "export to")
-    cfg, tok, policy, step, tok_file = load_run_policy(Path(args.run_dir), args.step,
-                                                       merge_lora=False, start=args.start)
+    got = policy_from_run(Path(args.run_dir), args.step, merge_lora=False, start=args.start)
+    cfg, tok, policy, step, tok_file = (got.cfg, got.tokenizer, got.model, got.step,
+                                        got.tokenizer_file)
     # The adapters alone (PEFT's layout), then merged weights; the start has no adapters.
     if cfg.model.lora_rank and not args.start:
         base = cfg.model.path if cfg.model.source == "hf" else None

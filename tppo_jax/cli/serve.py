@@ -101,7 +101,7 @@ def latest_warmstart(root: Path = Path("runs")) -> Path | None:
 def served_run(checkpoint: str | None) -> Path | None:
     """The run directory ``tppo serve`` serves: the one named, or with nothing named the
     default run (``runs/default``) once it has a checkpoint; None for an HF folder."""
-    from tppo_jax.cli.policy import is_run_dir
+    from tppo_jax.weights.restore import is_run_dir
 
     if checkpoint is not None:
         return Path(checkpoint) if is_run_dir(Path(checkpoint)) else None
@@ -128,18 +128,15 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path, *, start
                        ) -> tuple[Any, Any, str, str, str]:
     """Returns ``(model, tokenizer, tokenizer_path, description, model name)``; ``start``:
     a run directory's starting policy instead of its checkpoint."""
-    from tppo_jax.cli.policy import load_hf_folder, load_policy
+    from tppo_jax.weights.named import load_hf_folder
 
     ckpt = Path(checkpoint) if checkpoint else None
     # A run directory (ours: config.yaml + Orbax checkpoints), given or the default run's.
     run_dir = served_run(checkpoint)
     if run_dir is not None:
-        from functools import partial
+        from tppo_jax.weights.restore import policy_from_run
 
-        from tppo_jax.cli.runs import load_run_policy
-
-        got = load_policy(str(run_dir), dtype=cfg.model.dtype,
-                          load_run=partial(load_run_policy, start=start))
+        got = policy_from_run(run_dir, start=start)
         return (got.model, got.tokenizer, str(got.tokenizer_file), got.description,
                 run_dir.resolve().name)
     if ckpt is None and cfg.model.source == "hf" and cfg.model.path:
@@ -155,7 +152,7 @@ def load_serving_model(checkpoint: str | None, cfg: Any, scratch: Path, *, start
     from tppo_jax.data.synthetic import SyntheticMathTask
     from tppo_jax.models.tokenizer import train_sentencepiece
     from tppo_jax.models.transformer import create_model
-    from tppo_jax.trainer.warmstart import tiny_model_config
+    from tppo_jax.weights.warmstart import tiny_model_config
 
     banner = "!" * 78
     msg = ("no checkpoint and no runs/warmstart-*/policy found: serving a FRESHLY INITIALISED "
@@ -306,7 +303,7 @@ def _serve_arg_error(args: argparse.Namespace, host: str) -> str | None:
     from tppo_jax.rollout.server import ensure_port_free
 
     if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
-        from tppo_jax.cli.policy import resolve_policy_path
+        from tppo_jax.weights.named import resolve_policy_path
 
         try:  # a Hub id: fetched (or found in the HF cache) before anything compiles
             args.checkpoint = str(resolve_policy_path(args.checkpoint, "--checkpoint"))

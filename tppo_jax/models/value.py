@@ -4,7 +4,7 @@
 i.e. the same indexing as the policy's logits (docs/algorithm.md section 1). The critic never shares
 parameters (or buffers) with the policy: ``from_policy`` copies the backbone arrays -- except
 under LoRA, where both bases are frozen and one copy serves both (``copy=False``,
-``trainer/params.py``).
+``weights/params.py``).
 """
 
 from __future__ import annotations

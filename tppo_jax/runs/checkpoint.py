@@ -58,7 +58,7 @@ def checkpoint_path(directory: str | Path) -> epath.Path:
 # ``TruncatedRolloutScheduler.checkpoint_items()``); the Checkpointer itself saves and
 # restores whatever trees it is given. kv_cache: the scheduler's cache of unfinished rows,
 # so a resumed run continues exactly as an uninterrupted one would. policy_ema: only with
-# optim.policy_ema (trainer/params.py).
+# optim.policy_ema (weights/params.py).
 ITEMS = ("policy", "value", "policy_opt", "value_opt", "slots", "kv_cache", "policy_ema")
 # Items a save refuses to write when they hold NaN or inf (a diverged run's params).
 FINITE_ITEMS = ("policy", "value", "policy_ema")

@@ -7,16 +7,18 @@ what ``tppo train`` and ``tppo_jax.fit`` run.
     with Trainer(cfg, "runs/r") as trainer:
         summary = trainer.fit()
 
-Files: ``trainer.py`` (``Trainer``, ``train``), ``models.py`` (what a run starts from),
-``params.py`` (what trains and what checkpoints hold), ``collect.py`` (a rollout window,
-graded, as the learner's input), ``value_pretrain.py``, ``warmstart.py``. The run dir's
-files (checkpoints, metrics, the claim) are ``tppo_jax.runs``.
+Files: ``trainer.py`` (``Trainer``, ``train``), ``collect.py`` (a rollout window, graded, as
+the learner's input, and the one sequence into ``Learner.step``), ``step_log.py`` (a step's
+metrics row), ``hooks.py`` (fault injection, the eval cadence, SIGTERM),
+``value_pretrain.py`` (the critic pretrained from explicit parts). What a run starts from
+(models, warm-start, LoRA, what checkpoints hold) is ``tppo_jax.weights``; the run dir's files
+(checkpoints, metrics, the claim) are ``tppo_jax.runs``.
 """
 
 from typing import Any
 
-# Loaded on first use: importing one of the package's modules (``warmstart``, ``params``)
-# does not pull in the whole trainer.
+# Loaded on first use: importing one of the package's modules (``collect``, ``hooks``) does
+# not pull in the whole trainer.
 __all__ = ["TrainHooks", "Trainer", "TrainingDiverged", "Update", "nan_updates_from", "train"]
 
 

@@ -5,12 +5,15 @@ bucket, rows global over hosts) and the ``RowPlan`` the updates' plans read (row
 finished rows, each epoch's order).
 
 Shared by the training loop and value pretraining (``trainer/value_pretrain.py``), which
-collects full-length rollouts from its own scheduler.
+collects full-length rollouts from its own scheduler; ``learn_from`` is the one sequence that
+turns a rollout into a ``Learner.step`` for both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +23,7 @@ import numpy as np
 
 from tppo_jax.buckets import CompileWatch, bucket_width
 from tppo_jax.config import Config
-from tppo_jax.learner import RowPlan, TrainBatch
+from tppo_jax.learner import Learner, RowPlan, StepStats, Targets, TrainBatch, TrainState
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.rewards.grader import MathGrader, overlong_penalty
@@ -103,7 +106,6 @@ def sample_rows(tok: Tokenizer, rb: RolloutBatch, rows: np.ndarray, texts: list[
     return out
 
 
-
 def train_batch(rb: RolloutBatch, reward: np.ndarray, correct: np.ndarray, mesh
                 ) -> TrainBatch:
     """The rollout as device arrays, split over the mesh's batch axes (global arrays of
@@ -173,3 +175,19 @@ def init_value_bias(value: Any, roll: Rollout, cfg: Config) -> Any:
     mean = tot["reward"] / tot["fin"] if tot["fin"] else 0.5 * (rc.correct + rc.wrong)
     old = value["head_bias"]
     return {**value, "head_bias": jax.device_put(jnp.asarray(mean, old.dtype), old.sharding)}
+
+
+def learn_from(learner: Learner, state: TrainState, roll: Rollout, cfg: Config, mesh: Any,
+               step: int, *, first: bool, train_policy: bool = True, ref: Any = None,
+               edit_targets: Callable[[Targets], Targets] | None = None
+               ) -> tuple[TrainState, StepStats, TrainBatch, RowPlan]:
+    """``Learner.step`` on ``roll``: the critic's output bias set first when this is its
+    ``first`` update (``init_value_bias``), the rollout as the learner's input (``step``'s
+    shuffle), then the step (``train_policy``, ``ref``, ``edit_targets`` as
+    ``Learner.step``'s). Returns ``(state, stats, batch, rows)``."""
+    if first and state.value is not None:
+        state = dataclasses.replace(state, value=init_value_bias(state.value, roll, cfg))
+    batch, rows = learner_input(roll, cfg, mesh, step)
+    state, out = learner.step(state, batch, rows, ref=ref, edit_targets=edit_targets,
+                              train_policy=train_policy)
+    return state, out, batch, rows

@@ -23,14 +23,11 @@ import contextlib
 import dataclasses
 import json
 import logging
-import signal
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 from flax import nnx
@@ -38,7 +35,7 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from tppo_jax.buckets import CompileWatch, enable_compile_cache
-from tppo_jax.config import Config, TrainConfig, validate
+from tppo_jax.config import Config, validate
 from tppo_jax.data.pipeline import PromptPipeline
 from tppo_jax.data.readers import MathExample
 from tppo_jax.data.run_data import load_data, prompt_rows
@@ -48,13 +45,11 @@ from tppo_jax.eval.protocol import run_protocol
 from tppo_jax.learner import (
     Learner,
     LearnerConfig,
-    Targets,
     TrainState,
     commit_to_mesh,
     policy_optimizer,
     value_optimizer,
 )
-from tppo_jax.learner.state import scheduled_lrs
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.mesh import decode_mesh, make_mesh, reshard
 from tppo_jax.rewards.custom import check_reward
@@ -67,9 +62,11 @@ from tppo_jax.runs.run_claim import claim_run_dir
 from tppo_jax.runs.run_config import check_resume, run_config_text
 from tppo_jax.runs.run_dir import RunDir, mirror, pull, resolve_run_dir, write_atomic
 from tppo_jax.runs.wandb_log import wandb_settings
-from tppo_jax.trainer.collect import Rollout, collect, init_value_bias, learner_input
-from tppo_jax.trainer.models import Models, decode_shardings, load_models, reference_copy
-from tppo_jax.trainer.params import (
+from tppo_jax.trainer.collect import Rollout, collect, learn_from
+from tppo_jax.trainer.hooks import StopOnSignal, TrainHooks, eval_due, nan_updates_from
+from tppo_jax.trainer.step_log import Reshard, Update, step_metrics
+from tppo_jax.trainer.value_pretrain import PretrainParts, pretrain_value
+from tppo_jax.weights.params import (
     compute_copy,
     evaluated,
     master_params,
@@ -80,8 +77,8 @@ from tppo_jax.trainer.params import (
     with_ema,
     with_frozen,
 )
-from tppo_jax.trainer.value_pretrain import pretrain_value
-from tppo_jax.trainer.warmstart import RUN_SUBDIR
+from tppo_jax.weights.start import Models, decode_shardings, load_models, reference_copy
+from tppo_jax.weights.warmstart import RUN_SUBDIR
 
 log = logging.getLogger(__name__)
 
@@ -90,50 +87,9 @@ class TrainingDiverged(RuntimeError):
     """Too many consecutive updates had a non-finite loss or gradient."""
 
 
-@dataclass
-class TrainHooks:
-    """Where a caller (a test, the CLI's fault injection) acts on a run.
-
-    before_update: ``(step, targets) -> targets`` the updates of 0-based ``step`` train on.
-    """
-
-    before_update: Callable[[int, Targets], Targets] | None = None
-
-
-def nan_updates_from(step: int) -> TrainHooks:
-    """Fault injection: every update from (1-based) ``step`` on sees NaN advantages and
-    returns (the reliability tests' divergence)."""
-    def poison(i: int, targets: Targets) -> Targets:
-        if i + 1 < step:
-            return targets
-        return targets.replace(advantages=targets.advantages * float("nan"),
-                               returns=targets.returns * float("nan"))
-
-    return TrainHooks(before_update=poison)
-
-
-class Reshard(NamedTuple):
-    """One move of the policy into the decode layout: its wall time (until the copy is
-    on the devices) and the bytes of the copy."""
-
-    seconds: float
-    bytes: int
-
-
-@dataclass
-class Update:
-    """What one step's updates report."""
-
-    pstats: dict[str, Any]  # policy stats (empty during critic warm-up)
-    vstats: dict[str, Any]
-    width: int  # the batch's columns (a width bucket: the widest row group)
-    value_rows: int  # rows the critic trained on (0: none finished anywhere)
-    policy_cells: int  # rows x columns the policy's forward passes ran over (0: none)
-    value_cells: int  # the same for the critic
-    n_compiles: int  # update-side compiles and their seconds
-    compile_s: float
-    t_update: float
-    reshard: Reshard | None = None  # the policy's move to the decode layout (None: none)
+# The loop's hooks and records, importable from here as before.
+__all__ = ["TrainHooks", "Trainer", "TrainingDiverged", "Update", "eval_due",
+           "nan_updates_from", "train"]
 
 
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
@@ -233,7 +189,7 @@ class Trainer:
         self.decode_mesh = decode_mesh(self.mesh, m.decode_tensor) if m.decode_tensor else self.mesh
         rows = load_data(cfg)  # read and checked before a warm-start or model load costs time
         check_reward(cfg.reward, rows[0][:1])  # reward.fn imported and called once: up front
-        self.models = load_models(cfg, rd.local, self.progress, self.mesh)
+        self.models, params = load_models(cfg, rd.local, self.progress, self.mesh)
         self.train_rows, self.eval_rows, self.encode = prompt_rows(cfg, self.models.tokenizer,
                                                                    rows)
         self.pipeline = PromptPipeline(self.train_rows, batch_size=1, seed=cfg.data.seed,
@@ -241,20 +197,20 @@ class Trainer:
                                        shard_count=jax.process_count())
         self.sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
         # Decode-layout param shardings, or None: rollout reads the params as trained
-        self.decode_shardings = decode_shardings(cfg, self.models, self.decode_mesh)
+        self.decode_shardings = decode_shardings(cfg, self.models.policy_def, params.policy,
+                                                 self.decode_mesh)
         # The held-out eval's decode engines: compiled at the first eval, reused by the rest
         self.eval_engines = EvalEngines()
         tx_p, tx_v = policy_optimizer(cfg.optim), value_optimizer(cfg.optim)
         keep_p, keep_v = trainable_keys(cfg)  # LoRA: AdamW states for the adapters alone
-        models = self.models
         # model.param_dtype: float32 masters (and AdamW moments) of a bfloat16 model
-        pm = master_params(models.policy, keep_p, cfg)
-        vm = None if models.value is None else master_params(models.value, keep_v, cfg)
+        pm = master_params(params.policy, keep_p, cfg)
+        vm = None if params.value is None else master_params(params.value, keep_v, cfg)
+        del params  # the params live in TrainState from here: no second copy
         vopt = (None if vm is None  # critic-free
                 else commit_to_mesh(tx_v.init(trained_part(vm, keep_v)), self.mesh))
         state = TrainState(pm, vm, commit_to_mesh(tx_p.init(trained_part(pm, keep_p)), self.mesh),
                            vopt)
-        models.policy = models.value = None  # the params live in TrainState: no second copy
         self.state = with_ema(state, cfg)  # before a restore: the template of its checkpoint
         # The policy RL started from, for algo.kl_coef > 0 (else None), made before a resume
         # restores the trained params so a resumed run keeps the same reference. LoRA: the
@@ -265,7 +221,7 @@ class Trainer:
         self.sched = self.scheduler()
         if resume:
             self.restore()
-        self.learner = Learner(models.policy_def, models.value_def,
+        self.learner = Learner(self.models.policy_def, self.models.value_def,
                                LearnerConfig.from_config(cfg), mesh=self.mesh,
                                state=self.state, trainable=(keep_p, keep_v))
         # Compiles of the learner's row-group programs, and of everything else while open
@@ -291,9 +247,17 @@ class Trainer:
             sampling=self.sampling, seed=cfg.train.seed if seed is None else seed,
             mesh=self.decode_mesh)
 
+    def pretrain_parts(self) -> PretrainParts:
+        """The run's parts value pretraining works with (``value_pretrain.py``)."""
+        return PretrainParts(
+            self.cfg, self.learner, self.mesh, self.train_rows,
+            lambda window, pipeline, seed: self.scheduler(window=window, pipeline=pipeline,
+                                                          seed=seed),
+            self.collect, self.watch, self.run_dir, self.progress)
+
     def checkpoint_trees(self) -> dict[str, Any]:
         """Every tree a checkpoint holds, by item name (also the templates a restore reads
-        into); with LoRA the models' items hold only what trains (``trainer/params.py``)."""
+        into); with LoRA the models' items hold only what trains (``weights/params.py``)."""
         return {**saved_items(self.state.items(), self.cfg), **self.sched.checkpoint_items()}
 
     def checkpoint_meta(self) -> dict[str, Any]:
@@ -387,7 +351,8 @@ class Trainer:
         again; returns the run's summary."""
         hooks, cfg = hooks or TrainHooks(), self.cfg
         before = self.evaluate_before()
-        self.state = pretrain_value(self, self.state)  # algo.value_pretrain_steps
+        self.state = pretrain_value(self.pretrain_parts(), self.state,  # value_pretrain_steps
+                                    resumed=bool(self.start))
         t_start = time.time()
         bar = tqdm(range(self.start, cfg.train.steps), desc="T-PPO", dynamic_ncols=True,
                    disable=not (self.progress and self.primary), initial=self.start,
@@ -396,7 +361,7 @@ class Trainer:
         train_time = float(self.metrics.last.get("train_time_s", 0.0))
         last_eval, preempted = train_time, False  # training wall-clock at the last eval
         # Open until the run closes: a SIGTERM during the last eval is not a kill.
-        stopper = self._stack.enter_context(_StopOnSignal())
+        stopper = self._stack.enter_context(StopOnSignal())
         self._stack.enter_context(self.watch)
         for _ in bar:
             self.watch.reset()  # held-out evals between steps are not step time
@@ -439,17 +404,14 @@ class Trainer:
         policy and frees the finished rows' slots."""
         cfg, state = self.cfg, self.state
         step = state.step  # 0-based: the steps done so far
-        if (step == 0 and not cfg.algo.value_pretrain_steps  # pretraining did it at its step 0
-                and state.value is not None):
-            state = dataclasses.replace(state, value=init_value_bias(state.value, roll, cfg))
-        batch, rows = learner_input(roll, cfg, self.mesh, step)
         edit = (None if hooks is None or hooks.before_update is None
                 else partial(hooks.before_update, step))
-        state, out = self.learner.step(state, batch, rows, ref=self.ref_policy,
-                                       edit_targets=edit,
-                                       # no critic: nothing to warm up
-                                       train_policy=(step >= cfg.algo.critic_warmup_steps
-                                                     or state.value is None))
+        state, out, batch, rows = learn_from(
+            self.learner, state, roll, cfg, self.mesh, step,
+            first=step == 0 and not cfg.algo.value_pretrain_steps,  # else pretraining's step 0
+            ref=self.ref_policy, edit_targets=edit,
+            # no critic: nothing to warm up
+            train_policy=step >= cfg.algo.critic_warmup_steps or state.value is None)
         pstats, vstats, adv = mh.tree_to_host((out.policy, out.value, out.advantages))
         vstats = {**vstats, **adv}
         skipped = (float(pstats.get("policy_skipped", 0.0))
@@ -479,50 +441,10 @@ class Trainer:
                       n_compiles, compile_s, t_update, moved)
 
     def log(self, roll: Rollout, upd: Update, train_time: float = 0.0) -> dict[str, Any]:
-        """Writes the step's metrics (host-local counts summed over hosts, then turned into
-        means) and sample completions; returns the metrics row."""
-        rb, fin, pstats, vstats, watch = roll.rb, roll.fin, upd.pstats, upd.vstats, self.watch
-        resp_len = rb.total_len - rb.prompt_len
-        tot = mh.sum_over_hosts({
-            "fin": len(fin), "reward": roll.reward[fin].sum(),
-            "correct": roll.correct[fin].sum(), "resp_len": resp_len[fin].sum(),
-            "rows": self.sched.B, "tokens": rb.window_len.sum(), "idle": roll.idle})
-        top = mh.max_over_hosts({"resp_len": resp_len.max(), "window": rb.window_len.max()})
-        counts = _merge_counts(mh.gather_json({k: int(v) for k, v in roll.counts.items()}))
-        sched = mh.sum_over_hosts(self.sched.step_metrics())
-        nfin = max(tot["fin"], 1.0)
-        c_roll, c_upd, t0 = roll.c_roll, upd.compile_s, roll.t0
-        row = self.metrics.write(self.state.step, {
-            "reward_mean": tot["reward"] / nfin,
-            "accuracy": 100.0 * tot["correct"] / nfin,  # percent, as every accuracy
-            "finished_frac": tot["fin"] / tot["rows"],
-            "finished": int(tot["fin"]),
-            "response_len_mean": tot["resp_len"] / nfin,
-            "response_len_max": int(top["resp_len"]),
-            "occupancy": tot["tokens"] / max(1.0, self.cfg.rollout.slots * top["window"]),
-            **scheduled_lrs(self.cfg.optim, self.state.step),
-            "policy_loss": float(pstats.get("policy_loss", 0.0)),
-            **{k: float(v) for k, v in pstats.items() if k != "policy_loss"},
-            **{k: float(v) for k, v in vstats.items()},  # none without a critic
-            **{f"grade_{k}": v for k, v in counts.items()},
-            "tokens": int(tot["tokens"]),
-            "idle_slots": int(tot["idle"]),
-            **{f"sched_{k}": v for k, v in sched.items()},
-            # Compile seconds are split out of the phase they happened in.
-            "time_rollout_s": roll.t_roll - c_roll, "time_grading_s": roll.t_grade,
-            "time_update_s": upd.t_update - c_upd, "time_compile_s": c_roll + c_upd,
-            "compiles": roll.n_roll + upd.n_compiles, "compiles_total": watch.total_count,
-            # What the updates ran on (the cost model's update tokens: rows x width).
-            "update_width": upd.width,
-            "value_rows": upd.value_rows,
-            "policy_cells": upd.policy_cells,
-            "value_cells": upd.value_cells,
-            **{f"compiled_shapes_{k}": v for k, v in watch.sizes().items()},
-            **({"reshard_s": upd.reshard.seconds, "reshard_gb": upd.reshard.bytes / 1e9}
-               if upd.reshard is not None else {}),
-            "tokens_per_s": tot["tokens"] / max(time.time() - t0, 1e-9),
-            "train_time_s": train_time + (time.time() - t0),
-        })
+        """Writes the step's metrics (``step_log.step_metrics``) and sample completions;
+        returns the metrics row."""
+        row = self.metrics.write(self.state.step, step_metrics(
+            self.cfg, self.state.step, roll, upd, self.sched, self.watch, train_time))
         self.metrics.write_samples(self.state.step, roll.samples)
         return row
 
@@ -556,7 +478,7 @@ class Trainer:
         return (tc.target_accuracy is not None and res["accuracy"] >= tc.target_accuracy,
                 train_time)
 
-    def _stop_flags(self, stopper: _StopOnSignal, train_time: float) -> tuple[bool, bool]:
+    def _stop_flags(self, stopper: StopOnSignal, train_time: float) -> tuple[bool, bool]:
         """(preempted, time budget spent). The budget counts training wall-clock, held-out
         evals excluded. Clocks and signals differ per host: stop when any host says so, all
         together."""
@@ -565,39 +487,3 @@ class Trainer:
             "preempted": stopper.requested,
             "time_up": budget is not None and train_time >= budget})
         return bool(flags["preempted"]), bool(flags["time_up"])
-
-
-def eval_due(tc: TrainConfig, step: int, train_time: float, last_eval: float) -> bool:
-    """Whether a held-out eval follows ``step``: every ``eval_every`` steps, or once
-    ``eval_every_s`` seconds of training wall-clock passed since the last one."""
-    by_steps = bool(tc.eval_every) and step % tc.eval_every == 0
-    return by_steps or (tc.eval_every_s > 0 and train_time - last_eval >= tc.eval_every_s)
-
-
-class _StopOnSignal:
-    """SIGTERM (preemption) asks the loop to finish the current step, checkpoint, and exit."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._old = None
-
-    def __enter__(self) -> _StopOnSignal:
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        log.warning("SIGTERM: finishing this step, saving a checkpoint, then exiting")
-        self.requested = True
-
-    def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
-
-
-def _merge_counts(per_host: list[dict[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for counts in per_host:
-        for k, v in counts.items():
-            out[k] = out.get(k, 0) + int(v)
-    return out

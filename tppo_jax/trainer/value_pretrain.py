@@ -14,6 +14,10 @@ the run dir (like the warm-start) under a key of everything that shapes it. T-PP
 of one seed load the same critic; neither pays for it in ``train.time_budget_s``. The critic's
 optimizer state is not carried over: every run starts it fresh, whether it pretrained or
 loaded the cache, so a loaded run equals the one that computed it.
+
+It works with the run's parts passed in (``PretrainParts``: the learner, the mesh, a way to
+make a scheduler and to collect a graded window), never the ``Trainer`` itself, and each of
+its steps is the training loop's own sequence (``collect.learn_from``) with the policy frozen.
 """
 
 from __future__ import annotations
@@ -26,31 +30,33 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from tppo_jax.buckets import CompileWatch
 from tppo_jax.config import Config
 from tppo_jax.data.pipeline import PromptPipeline
+from tppo_jax.data.readers import MathExample
+from tppo_jax.learner import Learner
 from tppo_jax.learner.state import TrainState
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.trainer.collect import init_value_bias, learner_input
-from tppo_jax.trainer.params import (
+from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
+from tppo_jax.trainer.collect import Rollout, learn_from
+from tppo_jax.weights.params import (
     copy_trained,
     model_key,
     rejoin,
     trainable_keys,
     trained_part,
 )
-from tppo_jax.trainer.warmstart import keyed_data, warmstart_key
-
-if TYPE_CHECKING:  # the Trainer calls this module
-    from tppo_jax.trainer.trainer import Trainer
+from tppo_jax.weights.warmstart import keyed_data, warmstart_key
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,26 @@ _ALGO_KEYS = ("gamma", "lam_critic", "value_clip_low", "value_clip_high", "loss_
               "value_pretrain_steps", "value_bias_init")
 _OPTIM_KEYS = ("value_lr", "warmup_steps", "weight_decay", "b1", "b2", "eps", "grad_clip",
                "minibatches", "grad_accum", "epochs", "value_epochs")
+
+
+@dataclass(frozen=True)
+class PretrainParts:
+    """The run's parts value pretraining works with.
+
+    scheduler: ``(window, pipeline, seed) -> scheduler`` sampling from the run's policy;
+    collect: one graded window of a scheduler; watch: the run's compile counter (the
+    pretraining's compiles are taken off it, not counted as the first training step's);
+    run_dir: where its curve is written (the cache sits beside it)."""
+
+    cfg: Config
+    learner: Learner
+    mesh: Any
+    train_rows: list[MathExample]
+    scheduler: Callable[[int, PromptPipeline, int], TruncatedRolloutScheduler]
+    collect: Callable[[TruncatedRolloutScheduler], Rollout]
+    watch: CompileWatch
+    run_dir: Path
+    progress: bool
 
 
 def pretrain_key(cfg: Config) -> str:
@@ -82,36 +108,37 @@ def pretrain_key(cfg: Config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def pretrain_value(trainer: Trainer, state: TrainState) -> TrainState:
+def pretrain_value(parts: PretrainParts, state: TrainState, *, resumed: bool = False
+                   ) -> TrainState:
     """``state`` with its critic pretrained (``algo.value_pretrain_steps``; nothing on a
-    resumed run or when 0). Single-host runs load or fill the cache beside the run dir
+    ``resumed`` run or when 0). Single-host runs load or fill the cache beside the run dir
     (a run that finds another one filling it waits for it); multi-host runs pretrain in
     memory. A critic-free run (no ``state.value``) has nothing to pretrain."""
-    cfg = trainer.cfg
-    if cfg.algo.value_pretrain_steps <= 0 or trainer.start:
+    cfg = parts.cfg
+    if cfg.algo.value_pretrain_steps <= 0 or resumed:
         return state
     if state.value is None:
         log.info("algo.value_pretrain_steps: skipped (algo.advantage_baseline: %s needs no "
                  "critic)", cfg.algo.advantage_baseline)
         return state
     if jax.process_count() > 1:
-        value, curve = _pretrain(trainer, state)
-        return _with_value(trainer, state, value, curve, source="pretrained (multi-host, uncached)")
-    cache = trainer.run_dir.parent / f"value-pretrain-{pretrain_key(cfg)}"
+        value, curve = _pretrain(parts, state)
+        return _with_value(parts, state, value, curve, source="pretrained (multi-host, uncached)")
+    cache = parts.run_dir.parent / f"value-pretrain-{pretrain_key(cfg)}"
     keep = trainable_keys(cfg)[1]  # LoRA: the cache holds what trains, not the base
     with _locked(cache):
         if not (cache / "DONE").exists():
-            value, curve = _pretrain(trainer, state)
+            value, curve = _pretrain(parts, state)
             _save(cache, trained_part(value, keep), curve)
     value = rejoin(_restore(cache, trained_part(state.value, keep)), state.value, keep)
     curve = [json.loads(x) for x in (cache / CURVE).read_text().splitlines()]
-    return _with_value(trainer, state, value, curve, source=str(cache))
+    return _with_value(parts, state, value, curve, source=str(cache))
 
 
-def _with_value(trainer: Trainer, state: TrainState, value: Any, curve: list[dict[str, Any]], *,
-                source: str) -> TrainState:
-    if trainer.primary:
-        (trainer.run_dir / CURVE).write_text("".join(json.dumps(r) + "\n" for r in curve))
+def _with_value(parts: PretrainParts, state: TrainState, value: Any,
+                curve: list[dict[str, Any]], *, source: str) -> TrainState:
+    if mh.is_primary():
+        (parts.run_dir / CURVE).write_text("".join(json.dumps(r) + "\n" for r in curve))
     last = curve[-min(len(curve), 5):]
     log.info("value pretraining (%s): %d steps, explained variance %.3f -> %.3f (mean of the "
              "last %d)", source, len(curve), curve[0]["explained_variance"],
@@ -119,29 +146,27 @@ def _with_value(trainer: Trainer, state: TrainState, value: Any, curve: list[dic
     return dataclasses.replace(state, value=value)
 
 
-def _pretrain(trainer: Trainer, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
+def _pretrain(parts: PretrainParts, state: TrainState) -> tuple[Any, list[dict[str, Any]]]:
     """``value_pretrain_steps`` critic-only steps on full-length rollouts of the frozen
     policy. Returns the critic's params and one row per step (its explained variance is the
     critic's before that step's update, on that step's new samples)."""
-    cfg = trainer.cfg
-    pipeline = PromptPipeline(trainer.train_rows, batch_size=1, seed=cfg.data.seed + SEED_OFFSET,
+    cfg = parts.cfg
+    pipeline = PromptPipeline(parts.train_rows, batch_size=1, seed=cfg.data.seed + SEED_OFFSET,
                               shard_index=jax.process_index(), shard_count=jax.process_count())
-    sched = trainer.scheduler(window=cfg.rollout.max_response_len, pipeline=pipeline,
-                              seed=cfg.train.seed + SEED_OFFSET)
+    sched = parts.scheduler(cfg.rollout.max_response_len, pipeline, cfg.train.seed + SEED_OFFSET)
     # Copies: the updates donate their inputs, and the run's own critic and (fresh)
     # optimizer state must survive for the run itself.
     value = copy_trained(state.value, trainable_keys(cfg)[1])  # LoRA: the base is shared
     opt = jax.tree.map(jnp.copy, state.value_opt)
     n, curve, t0 = cfg.algo.value_pretrain_steps, [], time.time()
     bar = tqdm(range(n), desc="value pretraining", dynamic_ncols=True,
-               disable=not (trainer.progress and trainer.primary))
+               disable=not (parts.progress and mh.is_primary()))
     for i in bar:
-        roll = trainer.collect(sched)
-        if i == 0:
-            value = init_value_bias(value, roll, cfg)
-        batch, rows = learner_input(roll, cfg, trainer.mesh, i + SEED_OFFSET)
+        roll = parts.collect(sched)
+        # Every step from the run's state (its step count too), with the critic's progress
         critic_only = dataclasses.replace(state, value=value, value_opt=opt)
-        critic_only, out = trainer.learner.step(critic_only, batch, rows, train_policy=False)
+        critic_only, out, _, _ = learn_from(parts.learner, critic_only, roll, cfg, parts.mesh,
+                                            i + SEED_OFFSET, first=i == 0, train_policy=False)
         value, opt = critic_only.value, critic_only.value_opt
         stats = mh.tree_to_host(out.value)
         tot = mh.sum_over_hosts({"fin": len(roll.fin), "correct": roll.correct.sum()})
@@ -153,7 +178,7 @@ def _pretrain(trainer: Trainer, state: TrainState) -> tuple[Any, list[dict[str, 
         curve.append(row)
         bar.set_postfix(ev=f"{row['explained_variance']:.2f}")
         sched.release_finished(roll.rb.finished)
-    trainer.watch.take()  # its compiles are not the first training step's
+    parts.watch.take()  # its compiles are not the first training step's
     return value, curve
 
 

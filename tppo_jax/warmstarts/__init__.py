@@ -1,2 +1,2 @@
 """Data only: the shipped configs' supervised warm-starts, one ``warmstart-<key>/`` folder each
-(``tppo_jax/trainer/warmstart.py``: ``SHIPPED``, ``shipped``, ``ship``)."""
+(``tppo_jax/weights/warmstart.py``: ``SHIPPED``, ``shipped``, ``ship``)."""

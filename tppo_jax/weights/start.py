@@ -1,15 +1,15 @@
-"""A run's models: the tokenizer, the policy it starts from (warm-start, Hugging Face folder,
-Hub id or GGUF file), the critic (``model.value_init``), their LoRA adapters and placement
-on the mesh; the decode layout's shardings; a LoRA run's policy from its checkpoint (the
-base rebuilt, the adapters restored and folded in) for ``tppo eval`` / ``export`` /
-``serve``, so every reader gets a plain model.
+"""A run's models as it starts: the tokenizer, the policy (warm-start, Hugging Face folder,
+Hub id or GGUF file), the critic (``model.value_init``), their LoRA adapters and placement on
+the mesh; the decode layout's shardings; the KL reference's copy. The graph defs (``Models``)
+and the params (``ModelParams``) come apart: the params go into a ``TrainState``, the defs
+stay with whoever runs the models. ``abstract.py`` builds the same models shape-only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,62 +17,79 @@ from flax import nnx
 
 from tppo_jax.config import Config, ConfigError
 from tppo_jax.learner.estimators import needs_critic
-from tppo_jax.models.lora import (
-    add_lora,
-    join_params,
-    lora_spec,
-    merge_lora,
-    split_trainable,
-)
+from tppo_jax.models.lora import add_lora, lora_spec
 from tppo_jax.models.tokenizer import Tokenizer
 from tppo_jax.models.transformer import param_shardings, shard_model
 from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.mesh import layout_rules
-from tppo_jax.runs.checkpoint import Checkpointer, record_model
-from tppo_jax.trainer.params import policy_item, share_base, shares_base
-from tppo_jax.trainer.warmstart import run_warmstart
+from tppo_jax.runs.checkpoint import record_model
+from tppo_jax.weights.params import share_base, shares_base
+from tppo_jax.weights.warmstart import run_warmstart
 
 
-@dataclass
+@dataclass(frozen=True)
 class Models:
+    """What a run's models are, without their params: the tokenizer and the graph defs."""
+
     tokenizer: Tokenizer
     policy_def: Any
-    policy: Any  # pure dict of params (None once a TrainState holds them)
-    value_def: Any  # None (and ``value``): a critic-free run (``estimators.needs_critic``)
-    value: Any
+    value_def: Any  # None: a critic-free run (``estimators.needs_critic``)
     tokenizer_file: Path
 
 
-def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None) -> Models:
-    """The tokenizer, the policy (``load_policy``) and the critic (``model.value_init``; none
+class ModelParams(NamedTuple):
+    """The models' params as pure dicts (what a ``TrainState`` takes)."""
+
+    policy: Any
+    value: Any  # None: a critic-free run
+
+
+def load_models(cfg: Config, run_dir: Path, progress: bool, mesh=None
+                ) -> tuple[Models, ModelParams]:
+    """The tokenizer, the policy (``start_policy``) and the critic (``model.value_init``; none
     when the estimator needs none); with ``model.lora_rank > 0`` each gets fresh adapters
     (the critic when ``model.value_lora``); then every param is placed on ``mesh``."""
-    tok, policy, tok_file = load_policy(cfg, run_dir, progress, mesh)
+    tok, policy, tok_file = start_policy(cfg, run_dir, progress, mesh)
     # From the plain policy: before its adapters
     critic = load_critic(cfg, policy, mesh) if needs_critic(cfg.algo) else None
+    policy, critic = with_adapters(cfg, policy, critic)
+    if mesh is not None:  # params carry their named shardings from here on
+        shard_model(policy, mesh)
+        if critic is not None:
+            shard_model(critic, mesh)
+    pdef, vdef, params = split_models(cfg, policy, critic)
+    return Models(tok, pdef, vdef, tok_file), params
+
+
+def with_adapters(cfg: Config, policy: Any, critic: Any) -> tuple[Any, Any]:
+    """``(policy, critic)`` with fresh LoRA adapters (``model.lora_rank > 0``; the critic's
+    with ``model.value_lora``), seeded by ``train.seed`` (the critic's by ``+ 1``); as given
+    without LoRA. ``critic`` may be None (critic-free)."""
     spec = lora_spec(cfg.model)
     if spec is not None:
         add_lora(policy, spec, seed=cfg.train.seed)
         if cfg.model.value_lora and critic is not None:
             add_lora(critic, spec, seed=cfg.train.seed + 1)
-    if mesh is not None:  # params carry their named shardings from here on
-        shard_model(policy, mesh)
-        if critic is not None:
-            shard_model(critic, mesh)
+    return policy, critic
+
+
+def split_models(cfg: Config, policy: Any, critic: Any) -> tuple[Any, Any, ModelParams]:
+    """``(policy def, value def, params)``: the models split into graph defs and pure-dict
+    params; the critic's frozen base is the policy's own arrays where ``shares_base``."""
     pdef, pstate = nnx.split(policy)
     pparams = nnx.to_pure_dict(pstate)
     if critic is None:
-        return Models(tok, pdef, pparams, None, None, tok_file)
+        return pdef, None, ModelParams(pparams, None)
     vdef, vstate = nnx.split(critic)
     vparams = nnx.to_pure_dict(vstate)
     if shares_base(cfg):  # one frozen base for both models
         vparams = share_base(pparams, vparams)
-    return Models(tok, pdef, pparams, vdef, vparams, tok_file)
+    return pdef, vdef, ModelParams(pparams, vparams)
 
 
-def load_policy(cfg: Config, run_dir: Path, progress: bool, mesh=None
-                ) -> tuple[Tokenizer, Any, Path]:
+def start_policy(cfg: Config, run_dir: Path, progress: bool, mesh=None
+                 ) -> tuple[Tokenizer, Any, Path]:
     """``(tokenizer, policy, tokenizer file)`` of the run's starting model, without adapters.
     Tiny default: warm-started (the run dir's own copy, else the cache in its parent).
     HF: loaded from disk. GGUF: converted once to an HF folder (cached in the run dir's
@@ -132,37 +149,16 @@ def model_folder(cfg: Config, cache_root: Path) -> Path:
         raise ConfigError(str(e)) from None
 
 
-def decode_shardings(cfg: Config, models: Models, mesh: Any) -> Any:
+def decode_shardings(cfg: Config, policy_def: Any, policy: Any, mesh: Any) -> Any:
     """The policy's param shardings in the decode layout (``mesh.decode_layout: decode``),
     else None: rollout then reads the params as the updates lay them out."""
     if cfg.mesh.decode_layout != "decode":
         return None
     return nnx.to_pure_dict(param_shardings(
-        nnx.state(nnx.merge(models.policy_def, models.policy)), mesh,
-        rules=layout_rules("decode")))
+        nnx.state(nnx.merge(policy_def, policy)), mesh, rules=layout_rules("decode")))
 
 
 def reference_copy(params: Any) -> Any:
     """A copy of ``params`` in their shardings that the updates cannot touch (they donate
     the buffers of the params they replace)."""
     return jax.tree.map(lambda x: jnp.array(x, copy=True), params)
-
-
-
-def restore_lora_policy(cfg: Config, run_dir: Path, ckpt: Checkpointer, step: int | None,
-                        *, merge: bool = True) -> tuple[Any, nnx.Module, int | None, Path]:
-    """``(tokenizer, merged policy, step, tokenizer file)``: the adapters of ``step`` (default:
-    the newest step whose policy verifies) on the run's base; with no checkpoint, the base
-    itself (fresh adapters are zero) and step None. ``merge=False``: the policy with its
-    adapters still apart (``tppo export`` writes them alone too). ``CheckpointError`` as
-    ``Checkpointer.latest_good_item``."""
-    spec = lora_spec(cfg.model)
-    assert spec is not None, "not a LoRA run"
-    tok, policy, tok_file = load_policy(cfg, run_dir, progress=False)
-    graphdef, state = nnx.split(add_lora(policy, spec, seed=cfg.train.seed))
-    adapters, frozen = split_trainable(nnx.to_pure_dict(state))
-    found = ckpt.latest_good_item(policy_item(cfg), adapters, step)
-    if found is not None:
-        step, adapters = found
-    model = nnx.merge(graphdef, join_params(adapters, frozen))
-    return tok, merge_lora(model) if merge else model, step, tok_file

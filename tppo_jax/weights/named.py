@@ -4,43 +4,21 @@ parent, as ``tppo export`` writes one), or a Hub model id ``owner/name[@revision
 (fetched into, or read from, the HF cache by ``models.hub.resolve_model``).
 
 One place for ``tppo serve --checkpoint`` and ``tppo eval --benchmark``, so both read a
-name the same way and fail on it with the same one line."""
+name the same way and fail on it with the same one line. A run directory's policy is
+``restore.policy_from_run``'s."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tppo_jax.config_checks import ConfigError
+from tppo_jax.weights.restore import LoadedPolicy, is_run_dir, policy_from_run
 
 if TYPE_CHECKING:
-    from tppo_jax.config import Config
     from tppo_jax.models.tokenizer import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-
-
-@dataclass(frozen=True)
-class LoadedPolicy:
-    """A loaded policy and what it came from.
-
-    ``cfg``/``step``: the run's config and checkpoint step (None for an HF folder);
-    ``description``: how messages name it; ``ref``: what the user wrote."""
-
-    model: Any
-    tokenizer: Tokenizer
-    tokenizer_file: Path
-    description: str
-    ref: str
-    cfg: Config | None = None
-    step: int | None = None
-
-
-def is_run_dir(path: Path) -> bool:
-    """A run directory of ours: its ``config.yaml`` beside the checkpoints."""
-    return (path / "config.yaml").exists()
 
 
 def resolve_policy_path(ref: str, flag: str) -> Path:
@@ -75,19 +53,14 @@ def load_hf_folder(folder: Path, dtype: str) -> tuple[Any, Tokenizer, Path]:
     return from_pretrained(folder, dtype=dtype), Tokenizer.load(tok_dir), tok_file
 
 
-def load_policy(ref: str, *, dtype: str, load_run: Callable[[Path, int | None], tuple],
-                step: int | None = None, flag: str = "--checkpoint") -> LoadedPolicy:
+def policy_from_name(ref: str, *, dtype: str, step: int | None = None,
+                     flag: str = "--checkpoint") -> LoadedPolicy:
     """The policy ``ref`` names (see the module docstring); ``step``: a run's checkpoint
     (default: its newest good one), refused for an HF folder. Unreadable model files are
-    one ``ConfigError`` line.
-
-    ``load_run``: ``cli.runs.load_run_policy``, passed in by the caller so this module,
-    which the ``runs`` commands use, never imports them back."""
+    one ``ConfigError`` line."""
     path = resolve_policy_path(ref, flag)
     if is_run_dir(path):
-        cfg, tok, policy, got, tok_file = load_run(path, step)
-        return LoadedPolicy(policy, tok, Path(tok_file),
-                            f"{path} (policy checkpoint of step {got})", ref, cfg, got)
+        return policy_from_run(path, step, ref=ref)
     if step is not None:
         raise ConfigError(f"--step {step}: {ref} is an HF folder, not a run directory")
     if not (path / "config.json").is_file():

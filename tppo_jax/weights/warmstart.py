@@ -11,7 +11,7 @@ copied or read back from a bucket resumes, evaluates and exports without the cac
 The shipped configs' warm-starts come with the package (``tppo_jax/warmstarts/``, each the
 files of its cache folder): a config whose key matches one starts from it instead
 of training, so the first run of the default spends its minutes on RL. Regenerated (and
-checked) by ``python -m tppo_jax.trainer.warmstart [--check] default longtail``.
+checked) by ``python -m tppo_jax.weights.warmstart [--check] default longtail``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from tppo_jax.data.run_data import synthetic_task
 from tppo_jax.models.hf import from_pretrained, save_pretrained
 from tppo_jax.models.tokenizer import Tokenizer, train_sentencepiece
 from tppo_jax.models.transformer import ModelConfig, Transformer, create_model
-from tppo_jax.trainer.params import model_key
+from tppo_jax.weights.params import model_key
 
 log = logging.getLogger(__name__)
 
