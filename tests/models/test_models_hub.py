@@ -21,7 +21,7 @@ from tppo_jax.models.gguf import resolve_model_path
 from tppo_jax.models.hf import from_pretrained
 from tppo_jax.models.hub import HubError, HubRef, parse_hub_ref, resolve_model
 from tppo_jax.models.tokenizer import train_sentencepiece
-from tppo_jax.trainer.models import load_models
+from tppo_jax.weights.start import load_models
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
 MAIN, V1 = "a" * 40, "b" * 40  # the commits of refs/main (qwen2) and refs/v1 (llama)
@@ -151,9 +151,9 @@ def test_an_hf_run_from_a_hub_id_keeps_the_id(hub, tmp_path):
                              "model.value_init=path", "model.value_path=owner/tiny@v1"])
     run = tmp_path / "runs" / "hub"
     run.mkdir(parents=True)
-    models = load_models(cfg, run, progress=False)
+    models, params = load_models(cfg, run, progress=False)
     assert models.tokenizer_file == snap / "tokenizer.model"
     assert (run / "model" / "config.json").read_text() == (snap / "config.json").read_text()
     assert "path: owner/tiny\n" in cfg.to_yaml()  # what config.yaml stores: the id as given
-    critic = nnx.merge(models.value_def, models.value)
+    critic = nnx.merge(models.value_def, params.value)
     assert not critic.config.qkv_bias  # the llama of v1

@@ -17,8 +17,8 @@ import pytest
 
 from tppo_jax.config import load_config
 from tppo_jax.models.lora import split_trainable
-from tppo_jax.weights.params import VALUE_HEAD
 from tppo_jax.trainer.value_pretrain import pretrain_key
+from tppo_jax.weights.params import VALUE_HEAD
 from tppo_jax.weights.warmstart import warmstart_key
 
 LORA = ["model.lora_rank=4", "model.lora_alpha=8"]

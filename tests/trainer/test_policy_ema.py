@@ -13,8 +13,8 @@ import pytest
 
 from tppo_jax.config import ConfigError, load_config
 from tppo_jax.runs.run_config import frozen
-from tppo_jax.weights.params import EMA_ITEM, LIVE_ITEM, ema_update, evaluated, policy_item
 from tppo_jax.trainer.trainer import Trainer
+from tppo_jax.weights.params import EMA_ITEM, LIVE_ITEM, ema_update, evaluated, policy_item
 
 SMALL = ["train.warmstart_steps=20", "logging.tensorboard=false", "train.compile_cache=",
          "algo.critic_warmup_steps=0", "optim.warmup_steps=0", "optim.policy_lr=0.01"]
@@ -49,8 +49,8 @@ def _close(a, b, **kw) -> None:
 
 @pytest.mark.slow  # ~56 s in one process on 2 shared cores
 def test_run_averages_the_policy_checkpoints_and_reads_the_average(tmp_path):
-    from tppo_jax.cli.runs import load_run_policy
     from tppo_jax.trainer.trainer import TrainHooks
+    from tppo_jax.weights.restore import policy_from_run
 
     decay = 0.5
     cfg = load_config("smoke", [*SMALL, "train.steps=3", f"optim.policy_ema={decay}"])
@@ -77,7 +77,8 @@ def test_run_averages_the_policy_checkpoints_and_reads_the_average(tmp_path):
         run.checkpoint(last=True)
         saved_ema, saved_live = _leaves(state.policy_ema), live
     # What a reader of the run (tppo eval / export / serve) gets: the average.
-    _, _, model, step, _ = load_run_policy(tmp_path / "r", None)
+    got = policy_from_run(tmp_path / "r")
+    model, step = got.model, got.step
     assert step == 3
     np.testing.assert_allclose(np.asarray(model(tok)), evaluated_logits, rtol=1e-5, atol=1e-5)
 

@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tppo_jax.cli.runs import load_run_policy
 from tppo_jax.config import load_config
 from tppo_jax.data.synthetic import SyntheticMathTask
 from tppo_jax.models.tokenizer import train_sentencepiece
 from tppo_jax.runs.checkpoint import ITEMS, Checkpointer
-from tppo_jax.trainer.models import load_models
+from tppo_jax.weights.restore import policy_from_run
+from tppo_jax.weights.start import load_models
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "hf" / "qwen2"
 
@@ -28,8 +28,8 @@ def _hf_run(tmp_path):
     run = tmp_path / "runs" / "hf"
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(cfg.to_yaml())
-    models = load_models(cfg, run, progress=False)
-    return base, run, models
+    _, params = load_models(cfg, run, progress=False)
+    return base, run, params
 
 
 def _save(run, step, policy):
@@ -41,14 +41,15 @@ def _save(run, step, policy):
 
 
 def test_hf_run_restores_without_model_path(tmp_path):
-    base, run, models = _hf_run(tmp_path)
+    base, run, params = _hf_run(tmp_path)
     assert (run / "model" / "config.json").exists() and (run / "model" / "tokenizer.model").exists()
-    half = jax.tree.map(lambda x: x * 0.5, models.policy)
-    third = jax.tree.map(lambda x: x / 3, models.policy)
+    half = jax.tree.map(lambda x: x * 0.5, params.policy)
+    third = jax.tree.map(lambda x: x / 3, params.policy)
     _save(run, 1, half)
     _save(run, 2, third)
     shutil.rmtree(base)  # the base model is gone; the run dir is all there is
-    cfg, tok, policy, step, tok_file = load_run_policy(run, None)
+    got = policy_from_run(run)
+    tok, policy, step, tok_file = got.tokenizer, got.model, got.step, got.tokenizer_file
     assert step == 2 and tok_file == run / "model" / "tokenizer.model" and tok.vocab_size == 64
     got = jax.tree.leaves(jax.tree.map(np.asarray, _params(policy)))
     want = jax.tree.leaves(jax.tree.map(np.asarray, third))
@@ -59,7 +60,8 @@ def test_hf_run_restores_without_model_path(tmp_path):
     shard = max((p for p in (run / "checkpoints" / "2" / "policy").rglob("*") if p.is_file()),
                 key=lambda p: p.stat().st_size)
     shard.write_bytes(shard.read_bytes()[:-10])
-    _, _, policy, step, _ = load_run_policy(run, None)
+    got = policy_from_run(run)
+    policy, step = got.model, got.step
     assert step == 1
     np.testing.assert_allclose(jax.tree.leaves(_params(policy))[0],
                                jax.tree.leaves(half)[0])
