@@ -87,7 +87,7 @@ class TrainingDiverged(RuntimeError):
     """Too many consecutive updates had a non-finite loss or gradient."""
 
 
-# The loop's hooks and records, importable from here as before.
+# The loop's public names (its hooks and records live in hooks.py and step_log.py).
 __all__ = ["TrainHooks", "Trainer", "TrainingDiverged", "Update", "eval_due",
            "nan_updates_from", "train"]
 
