@@ -24,6 +24,7 @@ def _described(tree):
     return jax.tree.map(lambda x: (x.shape, str(x.dtype), x.sharding.spec), tree)
 
 
+@pytest.mark.slow  # ~9 s first in a process on 2 shared cores (the sharded load compiles)
 @pytest.mark.parametrize("extra", [["model.lora_rank=4", "model.lora_alpha=8"],
                                    ["algo.advantage_baseline=group"]])
 def test_abstract_models_are_the_run_models_shape_only(tmp_path, extra):
