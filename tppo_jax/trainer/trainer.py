@@ -50,10 +50,8 @@ from tppo_jax.learner import (
     LearnerConfig,
     Targets,
     TrainState,
-    commit_to_mesh,
-    policy_optimizer,
-    value_optimizer,
 )
+from tppo_jax.learner.init import init_state
 from tppo_jax.learner.state import scheduled_lrs
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.mesh import decode_mesh, make_mesh, reshard
@@ -72,11 +70,9 @@ from tppo_jax.trainer.models import Models, decode_shardings, load_models, refer
 from tppo_jax.trainer.params import (
     compute_copy,
     evaluated,
-    master_params,
     saved_items,
     step_ema,
     trainable_keys,
-    trained_part,
     with_ema,
     with_frozen,
 )
@@ -244,16 +240,12 @@ class Trainer:
         self.decode_shardings = decode_shardings(cfg, self.models, self.decode_mesh)
         # The held-out eval's decode engines: compiled at the first eval, reused by the rest
         self.eval_engines = EvalEngines()
-        tx_p, tx_v = policy_optimizer(cfg.optim), value_optimizer(cfg.optim)
         keep_p, keep_v = trainable_keys(cfg)  # LoRA: AdamW states for the adapters alone
         models = self.models
-        # model.param_dtype: float32 masters (and AdamW moments) of a bfloat16 model
-        pm = master_params(models.policy, keep_p, cfg)
-        vm = None if models.value is None else master_params(models.value, keep_v, cfg)
-        vopt = (None if vm is None  # critic-free
-                else commit_to_mesh(tx_v.init(trained_part(vm, keep_v)), self.mesh))
-        state = TrainState(pm, vm, commit_to_mesh(tx_p.init(trained_part(pm, keep_p)), self.mesh),
-                           vopt)
+        # model.param_dtype: float32 masters (and AdamW moments) of a bfloat16 model; the
+        # compile path lays out this same function's abstract result (learner/init.py)
+        state = init_state(models.policy, models.value, LearnerConfig.from_config(cfg),
+                           trainable=(keep_p, keep_v), mesh=self.mesh)
         models.policy = models.value = None  # the params live in TrainState: no second copy
         self.state = with_ema(state, cfg)  # before a restore: the template of its checkpoint
         # The policy RL started from, for algo.kl_coef > 0 (else None), made before a resume
