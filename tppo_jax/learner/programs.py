@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from tppo_jax.buckets import width_buckets
 from tppo_jax.learner.batch import Targets, TrainBatch
-from tppo_jax.learner.learner import Learner, Update
+from tppo_jax.learner.learner import Learner
 from tppo_jax.learner.plan import group_rows, max_group_rows
 from tppo_jax.learner.state import TrainState
 from tppo_jax.models.lora import split_trainable
@@ -78,7 +78,7 @@ def abstract_targets(learner: Learner, state: TrainState, batch: TrainBatch
     return values, targets
 
 
-def _update_programs(learner: Learner, u: Update, params: Any, opt: Any, batch: TrainBatch,
+def _update_programs(learner: Learner, u: Any, params: Any, opt: Any, batch: TrainBatch,
                      targets: Targets, widths: Sequence[int], ref: Any,
                      kinds: Sequence[str]) -> list[Program]:
     """One update's group gradients (one per width) and its optimizer step."""
