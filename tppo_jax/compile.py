@@ -1,22 +1,22 @@
 """Compile a config's training step for a TPU topology from any machine (``tppo plan CONFIG
 --topology T --compile``).
 
-Every program a step of the config runs is built through the functions training runs (the
-learner's ``make_updater`` / ``make_targets``, the rollout's ``DecodeEngine`` as the
-scheduler and the held-out eval build it) with abstract params, optimizer states and KV cache
-(``jax.ShapeDtypeStruct`` with the ``NamedSharding`` the trainer places them with, on a mesh
-of the topology's abstract devices, ``tppo_jax.platform``), then compiled by the TPU
-compiler. Nothing is allocated: a v5p-512 compiles from one CPU process.
+The programs are those the learner and the decode engine list themselves, with the
+arguments they run on (``learner.programs.step_programs``, ``rollout.programs``): the
+learner built as the trainer builds it, on its state from the real init function
+(``learner.init.abstract_state``: float32 masters and AdamW moments of a bfloat16 model),
+the rollout's engine as the scheduler builds it and the held-out eval's as the eval does;
+every array abstract (``jax.ShapeDtypeStruct`` with the ``NamedSharding`` a run places it
+with) on a mesh of the topology's abstract devices (``tppo_jax.platform``), then compiled by
+the TPU compiler. Nothing is allocated: a v5p-512 compiles from one CPU process.
 
-Programs (names as ``benchmarks/cost_model.py``'s ``load_compiled`` reads them):
-- ``policy_update[w=W]`` / ``value_update[w=W]``: one row group's gradient at every width
-  bucket ``W`` (``buckets.width_buckets``) with its rows (``update_plan.group_rows``);
-- ``policy_apply`` / ``value_apply``: the guarded AdamW step;
-- ``targets[w=W]``: the critic's rollout-time pass over a row group; ``targets_finish``: the
-  advantages and returns over the ``[B, S]`` buffer;
-- ``rollout_prefill[w=W]``: the batched prefill into the slots at the widest prefill bucket;
-  ``rollout_window[l=l]``: one decode window of ``l`` tokens over every slot;
-- ``eval_prefill`` / ``eval_window``: the held-out eval's decode (its own dense engine).
+Programs (names as ``benchmarks/cost_model.py``'s ``load_compiled`` reads them): the
+learner's (``policy_update[w=W]`` / ``value_update[w=W]`` at every width bucket ``W``,
+``policy_apply`` / ``value_apply``, ``targets[w=W]`` and ``targets_finish``: see
+``learner/programs.py``); ``rollout_prefill[w=W]``: the batched prefill into the slots at
+the widest prefill bucket; ``rollout_window[l=l]``: one decode window of ``l`` tokens over
+every slot; ``eval_prefill`` / ``eval_window``: the held-out eval's decode (its own dense
+engine).
 
 Every program traces on its own mesh of the topology's abstract TPU devices, as the run's
 programs trace on the slice's (``kernels.choice.traced_on``): its kernels are chosen for the
@@ -36,54 +36,27 @@ names.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from functools import partial
+from dataclasses import replace
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from tppo_jax.buckets import bucket_width, width_buckets
 from tppo_jax.config import Config, ConfigError, validate
 from tppo_jax.kernels.choice import kernel_calls, kernels_for
 from tppo_jax.launch import GIB
+from tppo_jax.learner.programs import KINDS as LEARNER_KINDS
 from tppo_jax.platform import Topology, TopologyError, abstract_devices, libtpu_version
+from tppo_jax.programs import Program, per_chip_bytes, sds
 
 # Groups of programs (``--programs``); each program's kind is one of them.
-KINDS = ("policy_update", "policy_apply", "value_update", "value_apply", "targets", "rollout",
-         "eval")
-
-
-@dataclass
-class Program:
-    """One jitted function of the step and the abstract arguments it is lowered with."""
-
-    name: str
-    kind: str
-    lower: Callable[[], Any]  # -> jax ``Lowered``
-    meta: dict[str, Any] = field(default_factory=dict)
-    holds: tuple[str, ...] = ()  # the live state it takes as arguments (not counted twice)
-
-
-def _sds(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-
-
-def per_chip_bytes(tree: Any) -> int:
-    """Bytes of one device's shard of every abstract array in ``tree`` (the largest shard)."""
-    n = 0
-    for x in jax.tree.leaves(tree):
-        shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) else x.shape
-        n += math.prod(shape) * jnp.dtype(x.dtype).itemsize
-    return n
+KINDS = (*LEARNER_KINDS, "rollout", "eval")
 
 
 def _copied(copy: Any, of: Any) -> list[Any]:
@@ -91,36 +64,6 @@ def _copied(copy: Any, of: Any) -> list[Any]:
     dtype or layout; the rest (a LoRA run's frozen base) are the same arrays."""
     return [a for a, b in zip(jax.tree.leaves(copy), jax.tree.leaves(of), strict=True)
             if a.dtype != b.dtype or a.sharding != b.sharding]
-
-
-def abstract_decode_state(engine: Any, mesh: Any) -> Any:
-    """The engine's empty ``DecodeState`` as abstract arrays laid out as the engine makes it:
-    a dense cache sharded over ``mesh`` (``DenseKVCache.init_on_mesh``), a paged pool split
-    into per-shard blocks (``kv_slots.new_cache``: ``eval_shape`` drops the layout of a jit
-    nested in the traced function), the rest replicated."""
-    from tppo_jax.models.cache import DenseKVCache
-    from tppo_jax.rollout import pages as pg
-    from tppo_jax.rollout.paged_cache import PagedKVCache
-
-    ds = jax.eval_shape(engine.init_decode_state)
-    c = ds.cache
-    if isinstance(c, DenseKVCache) and engine.cache_mesh is not None:
-        ds = ds.replace(cache=jax.tree.map(
-            _sds, c, DenseKVCache.layout(engine.cache_mesh, c.k.shape)))
-    elif isinstance(c, PagedKVCache) and c.split is not None and c.split.groups > 1:
-        rows, pool = c.split.shardings()
-        layout = PagedKVCache(pg.PageState(rows, rows, rows, c.pages.page_size), pool, pool,
-                              rows, c.impl, c.split)
-        ds = ds.replace(cache=jax.tree.map(_sds, c, layout))
-    return _on_mesh(ds, mesh)
-
-
-def _on_mesh(tree: Any, mesh: Any) -> Any:
-    """Leaves without a sharding (what the trainer creates uncommitted: a paged KV pool,
-    step counts) as replicated on ``mesh``, as a jitted step receives them."""
-    rep = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
-                        else _sds(x, rep), tree)
 
 
 def model_config(cfg: Config, unroll_layers: bool = False, layers: int | None = None) -> Any:
@@ -148,60 +91,127 @@ def model_config(cfg: Config, unroll_layers: bool = False, layers: int | None = 
     return mc
 
 
-def abstract_models(cfg: Config, mesh: Any, mc: Any = None) -> dict[str, Any]:
-    """The policy and the critic as a run builds them (``setup.load_models``: LoRA adapters,
-    a shared base), each as ``(graphdef, params)`` with params a pure dict of
-    ``ShapeDtypeStruct``s laid out on ``mesh`` by their logical axes (``nnx.eval_shape``: no
-    weights are made)."""
-    from tppo_jax.learner.estimators import needs_critic
-    from tppo_jax.models.lora import add_lora, lora_spec
-    from tppo_jax.models.transformer import Transformer, param_shardings
-    from tppo_jax.models.value import ValueModel
-    from tppo_jax.weights.params import share_base, shares_base
+def learner_parts(cfg: Config, mesh: Any, models: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """``(learner, state, ref)``: the ``Learner`` a run of ``cfg`` builds on ``mesh``, its
+    ``TrainState`` from the real init (abstract) and the KL reference's params (the model
+    dtype's copy a run keeps when the learner uses one, else None)."""
+    from tppo_jax.learner import Learner, LearnerConfig
+    from tppo_jax.learner.init import abstract_state
+    from tppo_jax.weights.params import trainable_keys
 
-    mc = mc or model_config(cfg)
-    spec = lora_spec(cfg.model)
-
-    def build(cls: type, seed: int, lora: bool) -> tuple[Any, Any, Any]:
-        def make():
-            model = cls(mc, rngs=nnx.Rngs(seed))
-            return add_lora(model, spec, seed=seed) if lora else model
-        abstract = nnx.eval_shape(make)
-        graphdef, state = nnx.split(abstract)
-        sh = param_shardings(state, mesh)
-        placed = jax.tree.map(lambda v, s: v.replace(_sds(v.get_value(), s)), state, sh,
-                              is_leaf=lambda x: isinstance(x, nnx.Variable))
-        return graphdef, nnx.to_pure_dict(placed), state
-
-    pdef, pparams, pstate = build(Transformer, cfg.train.seed, spec is not None)
-    if not needs_critic(cfg.algo):  # a critic-free estimator: no value model
-        return {"policy": (pdef, pparams), "value": (None, None), "policy_state": pstate,
-                "config": mc}
-    vdef, vparams, _ = build(ValueModel, cfg.train.seed + 1,
-                             spec is not None and cfg.model.value_lora)
-    if shares_base(cfg):
-        vparams = share_base(pparams, vparams)
-    return {"policy": (pdef, pparams), "value": (vdef, vparams), "policy_state": pstate,
-            "config": mc}
+    (pdef, pparams), (vdef, vparams) = models["policy"], models["value"]
+    trainable = trainable_keys(cfg)  # LoRA: AdamW states for the adapters alone
+    lcfg = LearnerConfig.from_config(cfg)
+    state = abstract_state(pparams, vparams, lcfg, trainable=trainable, mesh=mesh)
+    learner = Learner(pdef, vdef, lcfg, mesh=mesh, state=state, trainable=trainable)
+    return learner, state, pparams if learner.uses_ref else None
 
 
-def abstract_opt_state(tx: Any, params: Any, mesh: Any) -> Any:
-    """``tx.init(params)`` as abstract arrays: every param-shaped state (AdamW's m and v) in
-    its param's sharding, the rest (step counts) replicated (``state.commit_to_mesh``)."""
-    import optax
+def live_state(cfg: Config, state: Any, ref: Any) -> dict[str, int]:
+    """Bytes per chip of the learner's state that lives across the step's programs."""
+    from tppo_jax.models.lora import split_trainable
+    from tppo_jax.weights.params import shares_base
 
-    shapes = jax.eval_shape(tx.init, params)
-    rep = NamedSharding(mesh, PartitionSpec())
-    return optax.tree_map_params(tx, lambda s, p: _sds(s, p.sharding), shapes, params,
-                                 transform_non_params=lambda s: _sds(s, rep))
+    live = {"policy_params": per_chip_bytes(state.policy),
+            "policy_opt": per_chip_bytes(state.policy_opt)}
+    if state.value is not None:
+        # A critic sharing the policy's frozen base (LoRA) holds only its own leaves
+        shared = (per_chip_bytes(split_trainable(state.policy["backbone"])[1])
+                  if shares_base(cfg) else 0)
+        live.update(value_params=per_chip_bytes(state.value) - shared,
+                    value_opt=per_chip_bytes(state.value_opt))
+    if ref is not None:
+        live["reference_policy"] = per_chip_bytes(ref)
+    return live
 
 
-def _rows_batch(record: type, rows: int, width: int, sharding: Any) -> Any:
-    """A row group's ``[R, W]`` record (``PolicyRows``, ``ValueRows``, ``TokenRows``) as
-    its ``take`` hands it to the gradient or the values pass."""
-    dtypes = {"tokens": jnp.int32, "attn": jnp.bool_}
-    return record(**{k: jax.ShapeDtypeStruct((rows, width), dtypes.get(k, jnp.float32),
-                                             sharding=sharding) for k in record._fields})
+def decode_policy(cfg: Config, models: dict[str, Any], dmesh: Any) -> nnx.Module:
+    """The policy rollouts decode with: the model-dtype copy, moved to the decode layout's
+    shardings on the decode mesh with ``mesh.decode_layout: decode``."""
+    from tppo_jax.models.transformer import param_shardings
+    from tppo_jax.parallel.mesh import layout_rules
+
+    pdef, params = models["policy"]
+    if cfg.mesh.decode_layout == "decode":
+        dec = nnx.to_pure_dict(param_shardings(models["policy_state"], dmesh,
+                                               rules=layout_rules("decode")))
+        params = jax.tree.map(sds, params, dec)
+    return nnx.merge(pdef, params)
+
+
+def decode_programs(cfg: Config, mesh: Any, models: dict[str, Any], state: Any,
+                    want: Sequence[str], hosts: int, live: dict[str, int],
+                    facts: dict[str, Any]) -> list[Program]:
+    """The rollout's and the held-out eval's programs (of the kinds in ``want``); ``live``
+    and ``facts`` gain the decode copy and the KV cache. The rollout's engine is the
+    scheduler's, on the decode mesh (``mesh.decode_tensor``: tensor-parallel replicas) or
+    the training mesh; a paged pool is one replicated pool on one host, split into one block
+    per batch shard across hosts (each host's own pages)."""
+    from tppo_jax.parallel.mesh import decode_mesh
+    from tppo_jax.rollout.decode import SamplingParams
+    from tppo_jax.rollout.programs import abstract_decode_state, abstract_params
+    from tppo_jax.rollout.scheduler import make_engine
+
+    r = cfg.rollout
+    dmesh = decode_mesh(mesh, cfg.mesh.decode_tensor) if cfg.mesh.decode_tensor else mesh
+    policy = decode_policy(cfg, models, dmesh)
+    copied = _copied(nnx.to_pure_dict(nnx.state(policy)), state.policy)
+    if copied:  # another layout, or the masters' dtype cast
+        live["decode_copy"] = per_chip_bytes(copied)
+    sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
+    # ``auto`` as it resolves on the slice, not on this machine: paged on TPU
+    kv = r.kv_cache if r.kv_cache != "auto" else "paged"
+    engine = make_engine(policy, replace(r, kv_cache=kv), eos_ids=(0,), sampling=sampling,
+                         seed=cfg.train.seed, mesh=dmesh, split_pages=hosts > 1)
+    ds = abstract_decode_state(engine, dmesh)
+    live["kv_cache"] = per_chip_bytes(ds.cache)
+    facts["kv_cache"] = engine.kv_cache
+    params = abstract_params(policy, dmesh)
+    held = ("decode_copy",) if "decode_copy" in live else ("policy_params",)
+    out = []
+    if "rollout" in want:
+        out += rollout_programs(cfg, engine, params, ds, dmesh, (*held, "kv_cache"))
+    if "eval" in want:  # between steps: the rollout's KV cache is live, its own is not
+        out += eval_programs(cfg, policy, params, sampling, dmesh, held)
+    return out
+
+
+def rollout_programs(cfg: Config, engine: Any, params: Any, ds: Any, dmesh: Any,
+                     held: tuple[str, ...]) -> list[Program]:
+    """The rollout's prefill (new prompts at their bucket; continuations, ``reprefill``, at
+    the widest) and its decode window."""
+    from tppo_jax.rollout.programs import prefill_program, window_program
+
+    r = cfg.rollout
+    s = r.max_prompt_len + r.max_response_len
+    pw = s if r.kv_policy == "reprefill" else bucket_width(r.max_prompt_len, s)
+    window = min(r.window, r.max_response_len)
+    pre = prefill_program(engine, params, ds, pw, name=f"rollout_prefill[w={pw}]",
+                          kind="rollout", mesh=dmesh, holds=held)
+    win = window_program(engine, params, ds, window, name=f"rollout_window[l={window}]",
+                         kind="rollout", mesh=dmesh, holds=held)
+    win = replace(win, meta={**win.meta, "decode_steps": 1,
+                             "kv_bytes": per_chip_bytes(ds.cache)})
+    return [pre, win]
+
+
+def eval_programs(cfg: Config, policy: Any, params: Any, sampling: Any, dmesh: Any,
+                  held: tuple[str, ...]) -> list[Program]:
+    """The held-out eval's prefill and window (its engine as ``eval.heldout`` builds it)."""
+    from tppo_jax.eval.heldout import BATCH_SIZE, EvalEngines
+    from tppo_jax.eval.protocol import run_protocol
+    from tppo_jax.rollout.programs import abstract_decode_state, prefill_program, window_program
+
+    p, r = run_protocol(cfg), cfg.rollout
+    es = r.max_prompt_len + p.max_tokens
+    engine = EvalEngines().get(policy, (0,), BATCH_SIZE, es, p.sampling or sampling, dmesh)
+    ds = abstract_decode_state(engine, dmesh)
+    width = bucket_width(r.max_prompt_len, es)
+    return [prefill_program(engine, params, ds, width, name="eval_prefill", kind="eval",
+                            mesh=dmesh, holds=held),
+            window_program(engine, params, ds, p.max_tokens,
+                           name=f"eval_window[l={p.max_tokens}]", kind="eval", mesh=dmesh,
+                           holds=held)]
 
 
 def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
@@ -213,186 +223,26 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     (default all), in this order; ``widest``: the row-group programs at the widest width
     bucket only (their peak: every group holds about the same token cells, and attention
     grows with the width); ``unroll_layers``, ``layers``: see ``model_config``."""
-    from tppo_jax.eval.heldout import EvalEngines, decode_and_grade
-    from tppo_jax.eval.protocol import run_protocol
-    from tppo_jax.learner import (
-        Learner,
-        LearnerConfig,
-        TokenRows,
-        TrainBatch,
-        TrainState,
-        policy_optimizer,
-        value_optimizer,
-    )
-    from tppo_jax.learner.learner import ROWS, batch_spec
-    from tppo_jax.learner.plan import group_rows, max_group_rows
-    from tppo_jax.parallel.mesh import data_parallel_size, decode_mesh, layout_rules
-    from tppo_jax.rollout.decode import SamplingParams
-    from tppo_jax.rollout.engine import EngineParams
-    from tppo_jax.rollout.scheduler import make_engine
-    from tppo_jax.weights.params import (
-        master_params,
-        shares_base,
-        split_trainable,
-        trainable_keys,
-        trained_part,
-    )
+    from tppo_jax.learner import TrainBatch, batch_spec
+    from tppo_jax.learner.plan import max_group_rows
+    from tppo_jax.learner.programs import step_programs
 
-    want = set(only or KINDS)
-    r, o = cfg.rollout, cfg.optim
+    want = list(only or KINDS)
+    o, r = cfg.optim, cfg.rollout
+    from tppo_jax.weights.abstract import abstract_models
+
     models = abstract_models(cfg, mesh, model_config(cfg, unroll_layers, layers))
-    pdef, pparams = models["policy"]
-    vdef, vparams = models["value"]
-    keep_p, keep_v = trainable_keys(cfg)
-    learner_cfg = LearnerConfig.from_config(cfg)
-    tx_p, tx_v = policy_optimizer(o), value_optimizer(o)
-    critic = vdef is not None  # else a critic-free estimator: no value programs
-    # What the TrainState holds, as a run builds it: float32 masters of a bfloat16 model
-    # (model.param_dtype); rollouts, evals and the KL reference read a model-dtype copy.
-    compute = pparams
-    pparams = master_params(pparams, keep_p, cfg)
-    vparams = master_params(vparams, keep_v, cfg) if critic else None
-    popt = abstract_opt_state(tx_p, trained_part(pparams, keep_p), mesh)
-    vopt = abstract_opt_state(tx_v, trained_part(vparams, keep_v), mesh) if critic else None
-    learner = Learner(pdef, vdef, learner_cfg, mesh=mesh,
-                      state=TrainState(pparams, vparams, popt, vopt), trainable=(keep_p, keep_v))
-    rows_sh, rep = batch_spec(mesh), NamedSharding(mesh, PartitionSpec())
+    learner, state, ref = learner_parts(cfg, mesh, models)
+    live = live_state(cfg, state, ref)
     b, s = r.slots, r.max_prompt_len + r.max_response_len
-    unit = data_parallel_size(mesh)
-    max_rows = max_group_rows(b, o.minibatches, o.grad_accum)
     widths = width_buckets(s)[-1:] if widest else width_buckets(s)
-
-    # A critic sharing the policy's frozen base (LoRA) holds only its own leaves
-    shared = per_chip_bytes(split_trainable(pparams["backbone"])[1]) if shares_base(cfg) else 0
-    live = {"policy_params": per_chip_bytes(pparams), "policy_opt": per_chip_bytes(popt)}
-    if critic:
-        live.update(value_params=per_chip_bytes(vparams) - shared,
-                    value_opt=per_chip_bytes(vopt))
-    ref = None
-    if cfg.algo.kl_coef > 0 and keep_p is None:  # trainer: reference_copy(compute_copy(...))
-        ref = compute
-        live["reference_policy"] = per_chip_bytes(compute)
-    programs: list[Program] = []
     facts: dict[str, Any] = {"slots": b, "seq_len": s, "widths": widths,
-                             "max_group_rows": max_rows, "batch_ways": unit}
-
-    for kind, params, opt, keep in (("policy", pparams, popt, keep_p),
-                                    ("value", vparams, vopt, keep_v)):
-        if (f"{kind}_update" not in want and f"{kind}_apply" not in want
-                or kind == "value" and not critic):
-            continue
-        upd = learner.policy if kind == "policy" else learner.value
-        from tppo_jax.models.lora import split_trainable
-        train, frozen = (params, None) if keep is None else split_trainable(params, keep)
-        extra = (frozen,) if keep is not None else ((ref,) if upd.uses_ref else ())
-        held = (f"{kind}_params",) + (("reference_policy",) if upd.uses_ref else ())
-        denoms = {k: jax.ShapeDtypeStruct((), jnp.float32, sharding=rep)
-                  for k in (("tokens", "rows", "positive") if kind == "policy"
-                            else ("tokens", "rows"))}
-        grad_fn = upd.grads
-        for w in widths:
-            rows = group_rows(w, max_rows, unit)
-            mb = _rows_batch(ROWS[kind], rows, w, rows_sh)
-            if f"{kind}_update" in want:
-                programs.append(Program(
-                    f"{kind}_update[w={w}]", f"{kind}_update",
-                    partial(grad_fn.lower, train, mb, denoms, *extra),
-                    {"rows": rows, "width": w, "tokens": rows * w}, held))
-        if f"{kind}_apply" in want:
-            w0 = widths[0]
-            out = grad_fn.eval_shape(train, _rows_batch(ROWS[kind], group_rows(
-                w0, max_rows, unit), w0, rows_sh), denoms, *extra)
-            stats = _on_mesh(out[0], mesh)
-            grads = jax.tree.map(lambda g, p: _sds(g, p.sharding), out[1], train)
-            programs.append(Program(
-                f"{kind}_apply", f"{kind}_apply",
-                partial(upd.apply.lower, train, opt, grads, stats, denoms),
-                {}, (f"{kind}_params", f"{kind}_opt")))
-
-    if "targets" in want:
-        for w in widths if critic else ():
-            rows = group_rows(w, max_rows, unit)
-            grp = _rows_batch(TokenRows, rows, w, rows_sh)
-            programs.append(Program(f"targets[w={w}]", "targets",
-                                    partial(learner.group_values.lower, vparams, grp),
-                                    {"rows": rows, "width": w}, ("value_params",)))
-        full = {"tokens": ((b, s), jnp.int32), "attn": ((b, s), jnp.bool_),
-                "sample_logprobs": ((b, s), jnp.float32),
-                "prompt_len": ((b,), jnp.int32), "window_start": ((b,), jnp.int32),
-                "window_len": ((b,), jnp.int32), "finished": ((b,), jnp.bool_),
-                "reward": ((b,), jnp.float32), "correct": ((b,), jnp.bool_),
-                "group": ((b,), jnp.int32)}
-        batch = TrainBatch(**{k: jax.ShapeDtypeStruct(sh, dt, sharding=rows_sh)
-                              for k, (sh, dt) in full.items()})
-        values = jax.ShapeDtypeStruct((b, s), jnp.float32, sharding=rows_sh)
-        programs.append(Program("targets_finish", "targets",
-                                partial(learner.finish.lower, values, batch),
-                                {"rows": b, "width": s}, ()))
-
-    # Rollout: the scheduler's engine, on the decode mesh (mesh.decode_tensor: tensor-
-    # parallel replicas) or the training mesh; a paged pool is one replicated pool on one
-    # host, split into one block per batch shard across hosts (each host's own pages).
-    dmesh = decode_mesh(mesh, cfg.mesh.decode_tensor) if cfg.mesh.decode_tensor else mesh
-    rows_sh, rep = batch_spec(dmesh), NamedSharding(dmesh, PartitionSpec())
-    rollout_params = compute
-    if cfg.mesh.decode_layout == "decode":
-        from tppo_jax.models.transformer import param_shardings
-        dec = nnx.to_pure_dict(param_shardings(models["policy_state"], dmesh,
-                                               rules=layout_rules("decode")))
-        rollout_params = jax.tree.map(_sds, compute, dec)
-    copied = _copied(rollout_params, pparams)  # another layout, or the masters' dtype cast
-    if copied:
-        live["decode_copy"] = per_chip_bytes(copied)
-    policy = nnx.merge(pdef, rollout_params)
-    sampling = SamplingParams(r.temperature, r.top_p, r.top_k)
-    # ``auto`` as it resolves on the slice, not on this machine: paged on TPU
-    kv = r.kv_cache if r.kv_cache != "auto" else "paged"
-    engine = make_engine(policy, replace(r, kv_cache=kv), eos_ids=(0,), sampling=sampling,
-                         seed=cfg.train.seed, mesh=dmesh, split_pages=hosts > 1)
-    ds = abstract_decode_state(engine, dmesh)
-    live["kv_cache"] = per_chip_bytes(ds.cache)
-    facts["kv_cache"] = engine.kv_cache
-    ep = EngineParams(state=nnx.state(policy), version=jax.ShapeDtypeStruct((), jnp.int32,
-                                                                            sharding=rep))
-    slot = lambda dt: jax.ShapeDtypeStruct((b,), dt, sharding=rows_sh)  # noqa: E731
-    held_roll = ("decode_copy",) if "decode_copy" in live else ("policy_params",)
-    window = min(r.window, r.max_response_len)
-    if "rollout" in want:
-        # new prompts are prefilled at their bucket; continuations (reprefill) at the widest
-        pw = s if r.kv_policy == "reprefill" else bucket_width(r.max_prompt_len, s)
-        toks = jax.ShapeDtypeStruct((b, pw), jnp.int32, sharding=rows_sh)
-        programs.append(Program(
-            f"rollout_prefill[w={pw}]", "rollout",
-            partial(engine.lowered, "prefill_slots", ep, ds, toks, slot(jnp.int32),
-                    slot(jnp.bool_)),
-            {"slots": b, "width": pw}, (*held_roll, "kv_cache")))
-        programs.append(Program(
-            f"rollout_window[l={window}]", "rollout",
-            partial(engine.lowered, "generate_window", ds, ep, window, slot(jnp.int32),
-                    slot(jnp.bool_)),
-            {"slots": b, "window": window, "decode_steps": 1,
-             "kv_bytes": per_chip_bytes(ds.cache)}, (*held_roll, "kv_cache")))
-
-    if "eval" in want:
-        p = run_protocol(cfg)
-        eb = inspect.signature(decode_and_grade).parameters["batch_size"].default
-        es = r.max_prompt_len + p.max_tokens
-        ee = EvalEngines().get(policy, (0,), eb, es, p.sampling or sampling, dmesh)
-        eds = abstract_decode_state(ee, dmesh)
-        ew = bucket_width(r.max_prompt_len, es)
-        eslot = lambda dt: jax.ShapeDtypeStruct((eb,), dt, sharding=rows_sh)  # noqa: E731
-        etoks = jax.ShapeDtypeStruct((eb, ew), jnp.int32, sharding=rows_sh)
-        # The eval runs between steps: the rollout's KV cache is live, its own is not.
-        programs.append(Program(
-            "eval_prefill", "eval",
-            partial(ee.lowered, "prefill_slots", ep, eds, etoks, eslot(jnp.int32),
-                    eslot(jnp.bool_)),
-            {"slots": eb, "width": ew}, held_roll))
-        programs.append(Program(
-            f"eval_window[l={p.max_tokens}]", "eval",
-            partial(ee.lowered, "generate_window", eds, ep, p.max_tokens, eslot(jnp.int32),
-                    eslot(jnp.bool_)),
-            {"slots": eb, "window": p.max_tokens}, held_roll))
+                             "max_group_rows": max_group_rows(b, o.minibatches, o.grad_accum),
+                             "batch_ways": learner.unit}
+    kinds = [k for k in want if k in LEARNER_KINDS]
+    programs = (step_programs(learner, state, TrainBatch.abstract(b, s, batch_spec(mesh)),
+                              widths=widths, ref=ref, kinds=kinds) if kinds else [])
+    programs += decode_programs(cfg, mesh, models, state, want, hosts, live, facts)
     if only:
         order = {k: i for i, k in enumerate(only)}
         programs.sort(key=lambda p: order[p.kind])
@@ -595,5 +445,7 @@ def write_report(report: dict[str, Any], path: str) -> None:
         f.write("\n")
 
 
-__all__ = ["KINDS", "Program", "TopologyError", "abstract_models", "build_programs",
-           "compile_plan", "format_report", "per_chip_bytes", "refusal", "write_report"]
+__all__ = ["KINDS", "Program", "TopologyError", "build_programs",
+           "compile_plan", "compile_program", "decode_programs", "format_report",
+           "learner_parts", "live_state", "model_config", "per_chip_bytes", "refusal",
+           "write_report"]

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from tppo_jax.benchmarks import xla_cost
-from tppo_jax.benchmarks.accelerator import decoding_engine, window_decode
+from tppo_jax.benchmarks.accelerator import decoding_engine, window_programs
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.rollout.sampling import sample
 
@@ -50,12 +50,10 @@ def _decode_reports(unroll: bool):
     model = create_model(cfg, seed=0)
     engine = decoding_engine(model, B, S)  # the training window, as the scheduler runs it
     params, ds = engine.load_params(model), engine.init_decode_state()
-    rest = (params, jnp.full(B, 8, jnp.int32), jnp.zeros(B, bool))
     weights = sum(x.nbytes for x in jax.tree.leaves(params.state))
     out = {}
-    for donate in (False, True):
-        compiled = xla_cost.compile_fn(window_decode(engine, 8, donate=donate), (ds, *rest))
-        out[donate] = xla_cost.decode_report(
+    for name, compiled in window_programs(engine, params, ds, 8).items():
+        out[name == "donated"] = xla_cost.decode_report(
             compiled, layer_dims=(B, S, cfg.num_kv_heads, cfg.head_dim),
             weight_bytes=weights, kv_bytes=2 * ds.cache.k.nbytes)
     return cfg, out
@@ -128,7 +126,8 @@ def test_train_step_flops_near_six_n():
         model = create_model(ModelConfig.tiny(vocab_size=V, remat=True, remat_policy=policy,
                                               unroll_layers=True))
         value = ValueModel(model.config, rngs=nnx.Rngs(1))
-        compiled, n = compile_train_step(model, value, "policy", 2, 32)
+        compiled, n, group = compile_train_step(model, value, "policy", 2, 32)
+        assert group == {"rows": 2, "width": 32, "tokens": 64}  # the whole batch: one group
         got[policy] = xla_cost.train_report(compiled, n_params=n, tokens=64)["flops_vs_6n"]
     # 6N (+ attention, + the chunked log-prob's recomputed head, + remat's recompute).
     assert 1.0 < got["dots"] < got["full"] < 2.0, got

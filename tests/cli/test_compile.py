@@ -113,20 +113,19 @@ def test_plan_layout_agrees_with_the_compile_paths_state(devices8):
     """The arithmetic plan's params and AdamW rows equal the per-chip bytes of the abstract
     state the compile path lays out (an fp32 model: AdamW m + v are 8 B/param either way;
     the optimizers' step counts are a few replicated bytes)."""
-    from tppo_jax.compile import abstract_models, abstract_opt_state, per_chip_bytes
+    from tppo_jax.compile import learner_parts, model_config, per_chip_bytes
     from tppo_jax.config import load_config
-    from tppo_jax.learner.state import make_optimizer
     from tppo_jax.parallel.mesh import make_mesh
     from tppo_jax.plan import plan_memory
+    from tppo_jax.weights.abstract import abstract_models
 
     cfg = load_config("smoke", ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"])
     mesh = make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, devices8)
-    m = abstract_models(cfg, mesh)
+    _, state, _ = learner_parts(cfg, mesh, abstract_models(cfg, mesh, model_config(cfg)))
     rows = plan_memory(cfg, "v5litepod-8")["rows"]
     for kind in ("policy", "value"):
-        params = m[kind][1]
-        assert rows[f"{kind} params"] == per_chip_bytes(params)
-        opt = per_chip_bytes(abstract_opt_state(make_optimizer(1e-4, cfg.optim), params, mesh))
+        assert rows[f"{kind} params"] == per_chip_bytes(getattr(state, kind))
+        opt = per_chip_bytes(getattr(state, f"{kind}_opt"))
         assert 0 <= opt - rows[f"{kind} optimizer"] <= 64
 
 
@@ -254,16 +253,18 @@ def test_compile_and_a_run_on_tpu_devices_choose_the_same_kernels():
     the machine tracing them (this CPU)."""
     from flax import nnx
 
-    from tppo_jax.compile import abstract_decode_state, abstract_models, build_programs
+    from tppo_jax.compile import build_programs, model_config
     from tppo_jax.config import load_config
     from tppo_jax.kernels.choice import kernels_for
-    from tppo_jax.learner.learner import batch_spec
+    from tppo_jax.learner import batch_spec
     from tppo_jax.parallel.mesh import make_mesh
     from tppo_jax.plan import resolve_mesh
     from tppo_jax.platform import abstract_devices
     from tppo_jax.rollout.decode import SamplingParams
     from tppo_jax.rollout.engine import EngineParams
+    from tppo_jax.rollout.programs import abstract_decode_state
     from tppo_jax.rollout.scheduler import make_engine
+    from tppo_jax.weights.abstract import abstract_models
 
     cfg = load_config("smoke", QWEN05_HEADS)
     devices = abstract_devices(parse_topology("v5e:2x2"))
@@ -271,7 +272,7 @@ def test_compile_and_a_run_on_tpu_devices_choose_the_same_kernels():
     programs, _, facts = build_programs(cfg, mesh, ["rollout"])
     compiled = {p.name.split("[")[0]: _kernel_names(p.lower()) for p in programs}
 
-    policy = nnx.merge(*abstract_models(cfg, mesh)["policy"])
+    policy = nnx.merge(*abstract_models(cfg, mesh, model_config(cfg))["policy"])
     engine = make_engine(policy, cfg.rollout, eos_ids=(0,), sampling=SamplingParams(),
                          mesh=mesh)
     assert engine.platform == "tpu"
@@ -298,7 +299,7 @@ def test_a_paged_decode_window_without_the_tpu_kernel_is_an_error():
     from tppo_jax.compile import Program, compile_program
     from tppo_jax.config import ConfigError
 
-    p = Program("rollout_window[l=1]", "rollout", lambda: jax.jit(lambda x: x + 1).lower(1.0))
+    p = Program("rollout_window[l=1]", "rollout", jax.jit(lambda x: x + 1), (1.0,))
     with pytest.raises(ConfigError, match="no TPU paged-attention kernel"):
         compile_program(p, {}, 1 << 30, needs_paged=True)
     assert compile_program(p, {}, 1 << 30)["kernels"] == {}

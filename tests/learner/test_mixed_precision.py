@@ -12,11 +12,12 @@ from oracles import policy_token_logprobs, row_plan_of
 
 from tppo_jax import algo
 from tppo_jax.config import AlgoConfig, Config, ModelSettings, OptimConfig
-from tppo_jax.learner import Learner, LearnerConfig, TrainBatch, TrainState
+from tppo_jax.learner import Learner, LearnerConfig, TrainBatch
+from tppo_jax.learner.init import init_state, master_params
 from tppo_jax.models.precision import cast_params
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.models.value import ValueModel
-from tppo_jax.weights.params import compute_copy, master_params
+from tppo_jax.weights.params import compute_copy
 
 GAP = ("sampler_gap_abs_mean", "sampler_gap_abs_max", "sampler_kl", "sampler_clip_frac")
 
@@ -54,8 +55,7 @@ def _step(cfg, pdef, pp, vdef, vp, batch, ref=None):
     lc = LearnerConfig.from_config(cfg, window=batch.shape[1])
     learner = Learner(pdef, vdef, lc)
     pp, vp = jax.tree.map(jnp.copy, (pp, vp))  # the step donates them
-    pp, vp = master_params(pp, None, cfg), master_params(vp, None, cfg)
-    state = TrainState(pp, vp, learner.tx_policy.init(pp), learner.tx_value.init(vp))
+    state = init_state(pp, vp, lc)
     before = jax.device_get(state.policy)
     new, stats = learner.step(state, batch, row_plan_of(batch), ref=ref)
     return before, jax.device_get(new.policy), {k: float(v) for k, v in stats.policy.items()}
@@ -105,7 +105,8 @@ def test_gap_is_exactly_zero_in_fp32_and_the_correction_off_changes_nothing():
     batch = batch.replace(sample_logprobs=learner.row_pass(learner.group_logprobs, pp, batch,
                                                            rows.lengths))
     assert LearnerConfig.from_config(cfg).compute_dtype is None
-    assert master_params(pp, None, cfg) is pp and compute_copy(pp, cfg) is pp
+    assert LearnerConfig.from_config(cfg).param_dtype is None
+    assert master_params(pp, None, None) is pp and compute_copy(pp, cfg) is pp
     _, after, stats = _step(cfg, pdef, pp, vdef, vp, batch)
     for k in GAP:
         assert stats[k] == 0.0, (k, stats[k])
@@ -178,7 +179,8 @@ def test_decode_and_learner_in_bf16_on_the_05b_head_geometry_report_the_gap():
         cfg = _run_cfg(dtype)
         learner = Learner(pdef, vdef, LearnerConfig.from_config(cfg, window=width))
         rows = row_plan_of(batch)
-        masters = master_params(nnx.to_pure_dict(pst), None, cfg)
+        masters = master_params(nnx.to_pure_dict(pst), None,
+                                LearnerConfig.from_config(cfg).param_dtype)
         assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(masters))
         lp = learner.row_pass(learner.group_logprobs, masters, batch, rows.lengths)
         win = np.zeros(batch.shape, bool)  # the sampled (response) tokens

@@ -78,15 +78,23 @@ def decoding_engine(model: Any, b: int, s: int) -> DecodeEngine:
                         sampling=SamplingParams(greedy=True))
 
 
-def window_decode(engine: DecodeEngine, window: int, *, donate: bool) -> Any:
-    """The engine's jitted training window ``f(decode_state, params, budget, first)`` (what
-    ``generate_window`` runs); ``donate`` donates the decode state (cache included)."""
+def window_programs(engine: DecodeEngine, params: Any, ds: Any, window: int) -> dict[str, Any]:
+    """The engine's training window of ``window`` tokens compiled for ``ds`` and ``params``:
+    ``donated``, its own program from the engine's table (``rollout.programs``: what
+    ``generate_window`` runs, the decode state donated), and ``not_donated``, the same window
+    (the public ``generate_window``) jitted without donating the state, to compare the
+    buffers each writes. Each is called as ``f(decode_state, params, budget, first)``."""
     import jax
 
-    def f(ds, params, budget, first):
-        return engine._window_impl(ds, params, window, budget, first)
+    from tppo_jax.benchmarks import xla_cost
+    from tppo_jax.rollout.programs import window_program
 
-    return jax.jit(f, donate_argnums=(0,) if donate else ())
+    prog = window_program(engine, params, ds, window, name="rollout_window", kind="rollout",
+                          mesh=None)
+    plain = jax.jit(lambda d, p, budget, first: engine.generate_window(d, p, window, budget,
+                                                                       first))
+    return {"donated": prog.lower().compile(),
+            "not_donated": xla_cost.compile_fn(plain, (ds, params, *prog.args[3:]))}
 
 
 def decode_section(model, cfg, args) -> dict:
@@ -112,11 +120,10 @@ def decode_section(model, cfg, args) -> dict:
     ds = fresh()
     layer = (b, s, cfg.num_kv_heads, cfg.head_dim)
     weights, kv_all = _nbytes(params.state), _nbytes((ds.cache.k, ds.cache.v))
-    proxies = {}
-    for donate in (False, True):
-        compiled = xla_cost.compile_fn(window_decode(eng, new, donate=donate), (ds, *rest))
-        proxies["donated" if donate else "not_donated"] = xla_cost.decode_report(
-            compiled, layer_dims=layer, weight_bytes=weights, kv_bytes=kv_all)
+    programs = window_programs(eng, params, ds, new)
+    proxies = {k: xla_cost.decode_report(c, layer_dims=layer, weight_bytes=weights,
+                                         kv_bytes=kv_all) for k, c in programs.items()}
+    compiled = programs["donated"]
     t0 = time.perf_counter()
     fresh()
     prefill_s = time.perf_counter() - t0
@@ -167,25 +174,24 @@ def learner_for(policy, value, batch_size: int, seq: int):
 
 
 def compile_train_step(policy, value, kind: str, batch_size: int, seq: int):
-    """The learner's row-group gradient of the policy or the critic over the whole batch as
-    one group, compiled: ``(compiled, n_params)`` of that model, for XLA's cost analysis of a
-    training step's dominant program (the targets pass runs once to make its inputs)."""
+    """The learner's row-group gradient of the policy or the critic at the widest width,
+    as its program table lists it for a batch of ``batch_size`` rows of ``seq`` tokens
+    (``learner.programs``: the rows a group of that width has), compiled:
+    ``(compiled, n_params, program meta)`` for XLA's cost analysis of a training step's
+    dominant program."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from tppo_jax.learner.batch import row_counts
-    from tppo_jax.learner.learner import ROWS, minibatch_denoms
+    from tppo_jax.buckets import width_buckets
+    from tppo_jax.learner import TrainBatch
+    from tppo_jax.learner.programs import step_programs
 
-    learner, state, batch, rows = learner_for(policy, value, batch_size, seq)
-    targets = learner.targets(state.value, batch, rows.lengths)
-    upd = learner.policy if kind == "policy" else learner.value
+    learner, state, _, _ = learner_for(policy, value, batch_size, seq)
+    [prog] = step_programs(learner, state, TrainBatch.abstract(batch_size, seq),
+                           widths=width_buckets(seq)[-1:], kinds=[f"{kind}_update"])
     params = state.policy if kind == "policy" else state.value
-    idx = jnp.arange(batch_size)
-    mb = ROWS[kind].take(batch, targets, idx, jnp.ones((batch_size,), bool), width=seq)
-    denoms = minibatch_denoms(row_counts(targets, kind=kind), jnp.ones((batch_size,)))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    return upd.grads.lower(params, mb, denoms).compile(), n_params
+    return prog.lower().compile(), n_params, prog.meta
 
 
 def train_section(policy, value, args) -> dict:
@@ -199,9 +205,10 @@ def train_section(policy, value, args) -> dict:
     learner, state, batch, rows = learner_for(policy, value, tb, tl)
     out: dict = {"batch": tb, "seq": tl}
     for kind in ("policy", "value"):
-        compiled, n = compile_train_step(policy, value, kind, tb, tl)
-        out[kind] = {"params": n, "xla": xla_cost.train_report(compiled, n_params=n,
-                                                                tokens=tb * tl)}
+        compiled, n, group = compile_train_step(policy, value, kind, tb, tl)
+        out[kind] = {"params": n, "group": {k: group[k] for k in ("rows", "width")},
+                     "xla": xla_cost.train_report(compiled, n_params=n,
+                                                  tokens=group["tokens"])}
 
     def timed(fn):
         nonlocal state

@@ -29,6 +29,9 @@ from tppo_jax.rewards.step_verifier import verify_solution
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.engine import DecodeEngine
 
+# Prompts decoded at once (global over hosts): the eval engine's slots.
+BATCH_SIZE = 64
+
 
 class EvalEngines:
     """The eval's decode engines, one per model shape and decode setting (weights and seed
@@ -55,7 +58,7 @@ class EvalEngines:
 
 def generate_answers(model: nnx.Module, tok: Tokenizer, prompts: Sequence[list[int]], *,
                      max_prompt_len: int, max_response_len: int, sampling: SamplingParams,
-                     batch_size: int = 64, seed: int = 0, mesh: Any = None,
+                     batch_size: int = BATCH_SIZE, seed: int = 0, mesh: Any = None,
                      engines: EvalEngines | None = None) -> list[list[int]]:
     """Decodes one response per prompt through the rollout engine (one window of
     ``max_response_len``), ``batch_size`` slots at a time.
@@ -117,7 +120,7 @@ def decode_and_grade(model: nnx.Module, tok: Tokenizer, examples: Sequence[MathE
                      encode_prompt: Callable[[MathExample], list[int]], grader: MathGrader, *,
                      max_prompt_len: int, max_response_len: int, k: int = 1,
                      sampling: SamplingParams | None = None, seed: int = 0, mesh: Any = None,
-                     engines: EvalEngines | None = None, batch_size: int = 64,
+                     engines: EvalEngines | None = None, batch_size: int = BATCH_SIZE,
                      check_steps: bool = True) -> GradedSamples:
     """Decodes ``k`` samples per example (greedy when ``sampling`` is None) and grades them:
     the one sampling-and-grading path of the held-out eval and the benchmark eval.

@@ -9,13 +9,22 @@ read from the hidden state at ``t - 1``); ``[B]`` arrays are per row.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 Array = jax.Array
+# A field's layout: per row ``[B]`` or per token ``[B, S]``.
+ROW, TOKEN = "row", "token"
+
+
+def _laid_out(dims: str, dtype: str, **kw: Any) -> Any:
+    """A ``TrainBatch`` field with its layout (``dims``, ``dtype``): ``TrainBatch.abstract``
+    reads them, so the compile path's batch is the dataclass's, field for field."""
+    return struct.field(metadata={"layout": (dims, dtype)}, **kw)
 
 
 @struct.dataclass
@@ -32,21 +41,36 @@ class TrainBatch:
     unique over hosts (set when the estimator reads siblings, else None).
     """
 
-    tokens: Array
-    attn: Array
-    sample_logprobs: Array
-    prompt_len: Array
-    window_start: Array
-    window_len: Array
-    finished: Array
-    reward: Array
-    correct: Array
-    group: Array | None = None
+    tokens: Array = _laid_out(TOKEN, "int32")
+    attn: Array = _laid_out(TOKEN, "bool")
+    sample_logprobs: Array = _laid_out(TOKEN, "float32")
+    prompt_len: Array = _laid_out(ROW, "int32")
+    window_start: Array = _laid_out(ROW, "int32")
+    window_len: Array = _laid_out(ROW, "int32")
+    finished: Array = _laid_out(ROW, "bool")
+    reward: Array = _laid_out(ROW, "float32")
+    correct: Array = _laid_out(ROW, "bool")
+    group: Array | None = _laid_out(ROW, "int32", default=None)
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(B, S)``."""
         return tuple(self.tokens.shape)
+
+    @classmethod
+    def abstract(cls, rows: int, width: int, sharding: Any = None) -> TrainBatch:
+        """A batch of ``rows`` rows and ``width`` columns as ``jax.ShapeDtypeStruct``s (with
+        ``sharding``: the rows split over the mesh's batch axes), every field from its
+        declared layout: what the compile path lowers the learner's programs for. Every
+        field is set (``group`` too, as a run's batch has it)."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            if "layout" not in f.metadata:
+                raise TypeError(f"TrainBatch.{f.name} declares no layout (batch.py _laid_out)")
+            dims, dtype = f.metadata["layout"]
+            shape = (rows, width) if dims == TOKEN else (rows,)
+            out[f.name] = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+        return cls(**out)
 
 
 @struct.dataclass

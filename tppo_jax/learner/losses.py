@@ -33,17 +33,21 @@ class LearnerConfig:
     # The dtype the forward passes cast the stored params to (bfloat16 compute on float32
     # master params, models/precision.py); None: the params' own dtype, no cast
     compute_dtype: str | None = None
+    # The dtype the TrainState stores the trained params (and so the AdamW moments) in:
+    # float32 masters of a bfloat16 model (learner/init.py); None: as the model was loaded
+    param_dtype: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, window: int | None = None) -> LearnerConfig:
         """A run's learner knobs: its algo and optim sections, the window (``rollout.window``
         unless given, at most L), the sampling temperature the log-probs are taken at
-        (greedy decoding, temperature 0, scores at 1) and the compute dtype."""
+        (greedy decoding, temperature 0, scores at 1), the compute and the stored dtype."""
         r, m = cfg.rollout, cfg.model
         return cls(algo=cfg.algo, optim=cfg.optim,
                    window=min(r.window if window is None else window, r.max_response_len),
                    temperature=r.temperature if r.temperature > 0 else 1.0,
-                   compute_dtype=compute_dtype(m.dtype, m.param_dtype))
+                   compute_dtype=compute_dtype(m.dtype, m.param_dtype),
+                   param_dtype=None if m.param_dtype == m.dtype else m.param_dtype)
 
     def merge(self, graphdef: Any, params: Any) -> nnx.Module:
         """The model of ``params`` as the forward runs it (cast to ``compute_dtype``; the

@@ -46,10 +46,8 @@ from tppo_jax.learner import (
     Learner,
     LearnerConfig,
     TrainState,
-    commit_to_mesh,
-    policy_optimizer,
-    value_optimizer,
 )
+from tppo_jax.learner.init import init_state
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.mesh import decode_mesh, make_mesh, reshard
 from tppo_jax.rewards.custom import check_reward
@@ -69,11 +67,9 @@ from tppo_jax.trainer.value_pretrain import PretrainParts, pretrain_value
 from tppo_jax.weights.params import (
     compute_copy,
     evaluated,
-    master_params,
     saved_items,
     step_ema,
     trainable_keys,
-    trained_part,
     with_ema,
     with_frozen,
 )
@@ -201,16 +197,12 @@ class Trainer:
                                                  self.decode_mesh)
         # The held-out eval's decode engines: compiled at the first eval, reused by the rest
         self.eval_engines = EvalEngines()
-        tx_p, tx_v = policy_optimizer(cfg.optim), value_optimizer(cfg.optim)
         keep_p, keep_v = trainable_keys(cfg)  # LoRA: AdamW states for the adapters alone
-        # model.param_dtype: float32 masters (and AdamW moments) of a bfloat16 model
-        pm = master_params(params.policy, keep_p, cfg)
-        vm = None if params.value is None else master_params(params.value, keep_v, cfg)
+        # model.param_dtype: float32 masters (and AdamW moments) of a bfloat16 model; the
+        # compile path lays out this same function's abstract result (learner/init.py)
+        state = init_state(params.policy, params.value, LearnerConfig.from_config(cfg),
+                           trainable=(keep_p, keep_v), mesh=self.mesh)
         del params  # the params live in TrainState from here: no second copy
-        vopt = (None if vm is None  # critic-free
-                else commit_to_mesh(tx_v.init(trained_part(vm, keep_v)), self.mesh))
-        state = TrainState(pm, vm, commit_to_mesh(tx_p.init(trained_part(pm, keep_p)), self.mesh),
-                           vopt)
         self.state = with_ema(state, cfg)  # before a restore: the template of its checkpoint
         # The policy RL started from, for algo.kl_coef > 0 (else None), made before a resume
         # restores the trained params so a resumed run keeps the same reference. LoRA: the

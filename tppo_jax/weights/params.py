@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from tppo_jax.config import Config
+from tppo_jax.learner.init import trained_part
 from tppo_jax.learner.state import TrainState
 from tppo_jax.models.lora import join_params, split_trainable
 from tppo_jax.models.precision import cast_params, compute_dtype
@@ -94,11 +95,6 @@ def copy_trained(params: Any, keep: tuple[str, ...] | None) -> Any:
     return join_params(jax.tree.map(jnp.copy, train), frozen)
 
 
-def trained_part(params: Any, keep: tuple[str, ...] | None) -> Any:
-    """The part of ``params`` that trains (all of it when ``keep`` is None)."""
-    return params if keep is None else split_trainable(params, keep)[0]
-
-
 def saved_items(items: dict[str, Any], cfg: Config) -> dict[str, Any]:
     """``TrainState.items()`` as a checkpoint holds them: ``policy`` / ``value`` cut to their
     trained part (the optimizer states already cover only that); a critic-free run has no
@@ -124,17 +120,6 @@ def rejoin(part: Any, like: Any, keep: tuple[str, ...] | None) -> Any:
     """A model's trained ``part`` joined with the frozen rest of ``like`` (``part`` itself
     when ``keep`` is None: it is the whole model)."""
     return part if keep is None else join_params(part, split_trainable(like, keep)[1])
-
-
-def master_params(params: Any, keep: tuple[str, ...] | None, cfg: Config) -> Any:
-    """A model's params as the ``TrainState`` stores them: the part that trains in
-    ``model.param_dtype`` (float32 masters of a bfloat16 model, ``models/precision.py``),
-    the frozen LoRA base as loaded (and LoRA adapters, float32 already)."""
-    if cfg.model.param_dtype == cfg.model.dtype:
-        return params
-    train, frozen = ((params, None) if keep is None else split_trainable(params, keep))
-    train = cast_params(train, cfg.model.param_dtype)
-    return train if frozen is None else join_params(train, frozen)
 
 
 def compute_copy(params: Any, cfg: Config) -> Any:
