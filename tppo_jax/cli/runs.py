@@ -114,7 +114,6 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True,
         run_model_files,
     )
     from tppo_jax.trainer.models import load_models, load_policy
-    from tppo_jax.trainer.params import policy_item
     from tppo_jax.trainer.warmstart import RUN_SUBDIR
 
     cfg = run_config(run_dir)
@@ -145,7 +144,7 @@ def load_run_policy(run_dir: Path, step: int | None, *, merge_lora: bool = True,
             pdef, template = models.policy_def, models.policy
             tok, tok_file = models.tokenizer, models.tokenizer_file
         # The newest (or the given) step whose policy files verify.
-        found = ckpt.latest_good_item(policy_item(cfg), template, step)
+        found = ckpt.latest_good_item("policy", template, step)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     finally:

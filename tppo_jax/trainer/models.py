@@ -30,7 +30,7 @@ from tppo_jax.models.value import ValueModel
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.mesh import layout_rules
 from tppo_jax.runs.checkpoint import Checkpointer, record_model
-from tppo_jax.trainer.params import policy_item, share_base, shares_base
+from tppo_jax.trainer.params import share_base, shares_base
 from tppo_jax.trainer.warmstart import run_warmstart
 
 
@@ -161,7 +161,7 @@ def restore_lora_policy(cfg: Config, run_dir: Path, ckpt: Checkpointer, step: in
     tok, policy, tok_file = load_policy(cfg, run_dir, progress=False)
     graphdef, state = nnx.split(add_lora(policy, spec, seed=cfg.train.seed))
     adapters, frozen = split_trainable(nnx.to_pure_dict(state))
-    found = ckpt.latest_good_item(policy_item(cfg), adapters, step)
+    found = ckpt.latest_good_item("policy", adapters, step)
     if found is not None:
         step, adapters = found
     model = nnx.merge(graphdef, join_params(adapters, frozen))

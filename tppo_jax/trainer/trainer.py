@@ -71,13 +71,10 @@ from tppo_jax.trainer.collect import Rollout, collect, init_value_bias, learner_
 from tppo_jax.trainer.models import Models, decode_shardings, load_models, reference_copy
 from tppo_jax.trainer.params import (
     compute_copy,
-    evaluated,
     master_params,
     saved_items,
-    step_ema,
     trainable_keys,
     trained_part,
-    with_ema,
     with_frozen,
 )
 from tppo_jax.trainer.value_pretrain import pretrain_value
@@ -209,6 +206,11 @@ class Trainer:
     def primary(self) -> bool:  # process 0 writes the run dir's files
         return mh.is_primary()
 
+    @property
+    def step(self) -> int:
+        """The steps completed (``state.step``, a device scalar, read to the host)."""
+        return int(self.state.step)
+
     # -- building and restoring ---------------------------------------------------------
 
     def _build(self, cfg: Config, run_dir: str | Path, resume: bool, progress: bool) -> None:
@@ -255,7 +257,7 @@ class Trainer:
         state = TrainState(pm, vm, commit_to_mesh(tx_p.init(trained_part(pm, keep_p)), self.mesh),
                            vopt)
         models.policy = models.value = None  # the params live in TrainState: no second copy
-        self.state = with_ema(state, cfg)  # before a restore: the template of its checkpoint
+        self.state = state  # before a restore: the template of its checkpoint
         # The policy RL started from, for algo.kl_coef > 0 (else None), made before a resume
         # restores the trained params so a resumed run keeps the same reference. LoRA: the
         # frozen base is the reference (adapters zeroed inside the loss): no copy.
@@ -298,7 +300,7 @@ class Trainer:
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """Each host's data iterator and scheduler state, gathered (process 0 writes it)."""
-        return {"step": self.state.step, "eval_before": self.eval_before,
+        return {"step": self.step, "eval_before": self.eval_before,
                 "num_processes": jax.process_count(),
                 "hosts": mh.gather_json({"data_state": self.pipeline.state_json(),
                                          "scheduler": self.sched.host_state()})}
@@ -342,15 +344,13 @@ class Trainer:
                         sum(x.nbytes for x in jax.tree.leaves(params)))
         return nnx.merge(self.models.policy_def, params), moved
 
-    def evaluate(self, *, live: bool = False) -> dict[str, Any]:
+    def evaluate(self) -> dict[str, Any]:
         """Held-out accuracy under the ``run`` protocol (``eval.protocol``): avg@k sampled
-        as in training (the headline) and greedy, of the run's result policy (the average,
-        with ``optim.policy_ema``; ``live``: the params rollouts sample from)."""
-        state = self.state if live else evaluated(self.state, self.cfg)
+        as in training (the headline) and greedy, of the run's policy."""
         p = run_protocol(self.cfg)
         kw = dict(max_prompt_len=self.cfg.rollout.max_prompt_len, max_response_len=p.max_tokens,
                   mesh=self.decode_mesh, engines=self.eval_engines)
-        tok, policy = self.models.tokenizer, self.policy_module(state)  # one reshard
+        tok, policy = self.models.tokenizer, self.policy_module()  # one reshard
         sampled = evaluate(policy, tok, self.eval_rows, self.encode, self.grader,
                            k=p.samples, sampling=p.sampling, seed=p.seed, **kw)
         greedy = evaluate(policy, tok, self.eval_rows, self.encode, self.grader, **kw)
@@ -364,7 +364,7 @@ class Trainer:
                 self.eval_before = json.loads((self.run_dir / "eval_before.json").read_text())
             else:
                 self.eval_before = self.evaluate()
-                self.metrics.write_eval(self.state.step, "before", self.eval_before)
+                self.metrics.write_eval(self.step, "before", self.eval_before)
                 self._warn_no_answer()
         if self.primary:
             (self.run_dir / "eval_before.json").write_text(json.dumps(self.eval_before))
@@ -408,23 +408,19 @@ class Trainer:
             target_hit, last_eval = self._maybe_evaluate(train_time, last_eval)
             preempted, time_up = self._stop_flags(stopper, train_time)
             stop = target_hit or time_up
-            self.checkpoint(last=self.state.step == cfg.train.steps or stop or preempted)
+            self.checkpoint(last=self.step == cfg.train.steps or stop or preempted)
             if preempted:
-                log.warning("preempted: checkpoint saved at step %d", self.state.step)
+                log.warning("preempted: checkpoint saved at step %d", self.step)
                 break
             if stop:
                 log.info("stopping at step %d (target accuracy or time budget reached)",
-                         self.state.step)
+                         self.step)
                 break
         after = self.evaluate() if not preempted else None
         if after is not None:
-            self.metrics.write_eval(self.state.step, "after", after)
-        # With a policy average, the live policy's numbers too: what the average changed.
-        live = (self.evaluate(live=True)
-                if after is not None and self.state.policy_ema is not None else None)
+            self.metrics.write_eval(self.step, "after", after)
         return {"eval_before": before, "eval_after": after,
-                **({"eval_after_live": live} if live is not None else {}),
-                "steps": self.state.step, "preempted": preempted,
+                "steps": self.step, "preempted": preempted,
                 "train_seconds": time.time() - t_start,
                 "run_dir": self.rd.remote or str(self.run_dir)}
 
@@ -438,7 +434,7 @@ class Trainer:
         updates; ``state.step`` goes one on), then the scheduler samples from the new
         policy and frees the finished rows' slots."""
         cfg, state = self.cfg, self.state
-        step = state.step  # 0-based: the steps done so far
+        step = self.step  # 0-based: the steps done so far
         if (step == 0 and not cfg.algo.value_pretrain_steps  # pretraining did it at its step 0
                 and state.value is not None):
             state = dataclasses.replace(state, value=init_value_bias(state.value, roll, cfg))
@@ -471,7 +467,7 @@ class Trainer:
             log.warning("step %d: %s compiled a new shape (batch width %d, critic rows %d); "
                         "shapes so far: %s", step + 1, ", ".join(late), width, nrows,
                         self.watch.sizes())
-        self.state = step_ema(state, cfg)
+        self.state = state
         policy, moved = self._policy_module(self.state)
         self.sched.set_policy(policy, step + 1)
         self.sched.release_finished(roll.rb.finished)
@@ -492,7 +488,7 @@ class Trainer:
         sched = mh.sum_over_hosts(self.sched.step_metrics())
         nfin = max(tot["fin"], 1.0)
         c_roll, c_upd, t0 = roll.c_roll, upd.compile_s, roll.t0
-        row = self.metrics.write(self.state.step, {
+        row = self.metrics.write(self.step, {
             "reward_mean": tot["reward"] / nfin,
             "accuracy": 100.0 * tot["correct"] / nfin,  # percent, as every accuracy
             "finished_frac": tot["fin"] / tot["rows"],
@@ -500,7 +496,7 @@ class Trainer:
             "response_len_mean": tot["resp_len"] / nfin,
             "response_len_max": int(top["resp_len"]),
             "occupancy": tot["tokens"] / max(1.0, self.cfg.rollout.slots * top["window"]),
-            **scheduled_lrs(self.cfg.optim, self.state.step),
+            **scheduled_lrs(self.cfg.optim, self.step),
             "policy_loss": float(pstats.get("policy_loss", 0.0)),
             **{k: float(v) for k, v in pstats.items() if k != "policy_loss"},
             **{k: float(v) for k, v in vstats.items()},  # none without a critic
@@ -523,15 +519,15 @@ class Trainer:
             "tokens_per_s": tot["tokens"] / max(time.time() - t0, 1e-9),
             "train_time_s": train_time + (time.time() - t0),
         })
-        self.metrics.write_samples(self.state.step, roll.samples)
+        self.metrics.write_samples(self.step, roll.samples)
         return row
 
     def checkpoint(self, *, last: bool) -> None:
         """Saves on schedule and at the ``last`` step; a bucket run's files are mirrored
         after."""
         # Built only for a save: the host-state gather and slot upload are not free.
-        if (last or self.ckpt.due(self.state.step)) and self.ckpt.save(
-                self.state.step, self.checkpoint_trees(), self.checkpoint_meta(),
+        if (last or self.ckpt.due(self.step)) and self.ckpt.save(
+                self.step, self.checkpoint_trees(), self.checkpoint_meta(),
                 force=True) and self.primary:
             mirror(self.rd)
 
@@ -547,12 +543,12 @@ class Trainer:
         tc = self.cfg.train
         # Every host decides on the primary's clock: the hosts must run the eval together.
         due = mh.max_over_hosts({"due": self.primary and eval_due(
-            tc, self.state.step, train_time, last_eval)})["due"]
+            tc, self.step, train_time, last_eval)})["due"]
         if not due:
             return False, last_eval
         res = self.evaluate()  # identical on every host
-        self.metrics.write(self.state.step, {f"eval_{k}": v for k, v in res.items()})
-        self.metrics.write_eval(self.state.step, "during", res, loggers=False)
+        self.metrics.write(self.step, {f"eval_{k}": v for k, v in res.items()})
+        self.metrics.write_eval(self.step, "during", res, loggers=False)
         return (tc.target_accuracy is not None and res["accuracy"] >= tc.target_accuracy,
                 train_time)
 
