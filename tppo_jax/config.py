@@ -167,11 +167,6 @@ class OptimConfig:
     # Passes of the critic's update over its rows per step (null = epochs): more critic
     # updates per policy update (Open-Reasoner-Zero runs 12) so the critic keeps up
     value_epochs: int | None = None
-    # Decay of an exponential moving average of the policy's params, stepped once per
-    # training step (0: off). On, the average is the run's result: its held-out evals,
-    # checkpoints' ``policy_ema`` item, eval / export / serve (trainer/params.py); rollouts still
-    # sample from the live params
-    policy_ema: float = 0.0
 
     @property
     def critic_epochs(self) -> int:
@@ -399,6 +394,7 @@ REMOVED_KEYS: dict[str, tuple[Any, str]] = {
     "reward.process": ("none", "rewards are outcome rewards"),
     "reward.process_penalty": (-0.5, "rewards are outcome rewards"),
     "reward.process_bonus": (0.05, "rewards are outcome rewards"),
+    "optim.policy_ema": (0.0, "a run's result is its live policy"),
 }
 
 

@@ -127,7 +127,6 @@ RANGES: dict[str, Range] = {
     "optim.grad_clip": NON_NEGATIVE,  # 0 = no clipping
     "optim.minibatches": POSITIVE, "optim.grad_accum": POSITIVE, "optim.epochs": POSITIVE,
     "optim.value_epochs": POSITIVE,
-    "optim.policy_ema": Range(0, 1, hi_open=True),
     "data.difficulty": NON_NEGATIVE, "data.max_operand": POSITIVE,
     "data.max_value": Range(2),  # a chain problem starts at a value in [2, max_value]
     "data.max_steps": POSITIVE, "data.eval_size": Range(1, 1_000_000), "data.seed": SEED,

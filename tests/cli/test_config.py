@@ -103,6 +103,7 @@ def test_cli_config_error_is_one_line():
     ("algo.policy_trains=response", "algo.policy_trains was removed"),
     ("algo.kl_estimator=exact", "algo.kl_estimator was removed"),
     ("reward.process=per_step", "reward.process was removed"),
+    ("optim.policy_ema=0.9", "optim.policy_ema was removed"),
 ])
 def test_a_removed_key_set_to_a_new_value_is_refused_in_one_line(override, needle):
     with pytest.raises(ConfigError, match=needle) as e:
@@ -113,7 +114,8 @@ def test_a_removed_key_set_to_a_new_value_is_refused_in_one_line(override, needl
 def test_a_removed_key_at_its_old_default_reads_as_absent():
     """A run dir's config.yaml written before the removal holds every key at its default."""
     old = load_config("smoke", ["algo.detach_prefix=false", "algo.group_siblings=step",
-                                "reward.process=none", "reward.process_penalty=-0.5"])
+                                "reward.process=none", "reward.process_penalty=-0.5",
+                                "optim.policy_ema=0"])  # 0 and 0.0 alike: off
     assert old == load_config("smoke")
 
 

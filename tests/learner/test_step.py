@@ -20,6 +20,7 @@ from tppo_jax.learner import (
     compute_targets,
     register_estimator,
 )
+from tppo_jax.learner.estimators import reads_groups
 from tppo_jax.models.transformer import ModelConfig, create_model
 from tppo_jax.models.value import ValueModel
 
@@ -108,6 +109,18 @@ def test_registered_estimator_is_the_one_the_targets_read():
     assert "test_zero" not in ESTIMATORS
 
 
+def test_the_registry_says_which_estimators_report_their_group_coverage():
+    """``groups=True`` at registration, not a list of names in the learner, is what makes a
+    step report ``group_baseline_frac``."""
+    assert [n for n in ("critic", "group", "rloo")
+            if reads_groups(AlgoConfig(advantage_baseline=n))] == ["group", "rloo"]
+    register_estimator("test_siblings", groups=True)(lambda w, batch, a: w.mask)
+    try:
+        assert reads_groups(AlgoConfig(advantage_baseline="test_siblings"))
+    finally:
+        ESTIMATORS.pop("test_siblings", None)
+
+
 @pytest.mark.slow  # ~35 s in one process on 2 shared cores (a new test)
 def test_learner_step_moves_both_models_and_reports_their_stats():
     policy = create_model(ModelConfig.tiny(vocab_size=32))
@@ -134,6 +147,7 @@ def test_learner_step_moves_both_models_and_reports_their_stats():
     assert np.isfinite(float(stats.advantages["adv_right_mean"]))
     assert float(stats.policy["policy_skipped"]) == 0 and float(stats.value["value_skipped"]) == 0
     assert stats.policy_cells > 0 and stats.value_cells > 0
+    assert "group_baseline_frac" not in stats.advantages  # the critic's estimator: no groups
 
 
 @pytest.mark.slow  # ~11 s in one process on 2 shared cores

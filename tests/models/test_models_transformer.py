@@ -128,13 +128,18 @@ def test_remat_gives_same_gradients():
             np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def layer_slice(layers: nnx.Module, i: int) -> nnx.Module:
+    """Layer ``i`` of stacked ``layers`` as a module of its own (a copy)."""
+    graphdef, state = nnx.split(layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
+
+
 def test_scanned_layers_equal_a_python_loop_over_the_layers_and_unroll():
     """The layer scan computes what applying each layer's slice in turn computes (logits,
     a cached prefill), with remat too; ``unroll_layers`` gives the same
     numbers with no loop in the program, and gradients agree to rounding (the scan's backward
     sums bias gradients in another order: ~1 ulp)."""
     from tppo_jax.kernels.attention import CausalMask
-    from tppo_jax.models.transformer import layer_slice
 
     cfg = ModelConfig.tiny(vocab_size=V, num_layers=3)
     m = Transformer(cfg, rngs=nnx.Rngs(5))

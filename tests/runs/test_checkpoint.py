@@ -83,3 +83,31 @@ def test_a_checkpoint_of_per_layer_params_is_refused_in_one_line(tmp_path):
     step, trees, meta = ck.restore_latest(_trees(0.0))
     assert step == 1 and meta["param_layout"] == "stacked-layers"
     ck.close()
+
+
+def test_a_checkpoint_of_the_previous_layout_restores_and_the_step_counts_on(tmp_path):
+    """What the version before ``TrainState.step`` became an array wrote (the step an int in
+    the metadata; a run with the since-removed ``optim.policy_ema`` also a ``policy_ema``
+    item) restores into today's state: the step an int32 array on the mesh, one on after a
+    step, and the items this version does not keep are left unread."""
+    import dataclasses
+
+    from tppo_jax.learner import TrainState
+    from tppo_jax.parallel.mesh import make_mesh
+
+    ck = Checkpointer(tmp_path / "ckpt", every=1, keep=5)
+    assert ck.save(7, {**_trees(2.0), "policy_ema": {"w": jnp.zeros(3)}}, {"step": 7})
+    ck.close()
+    ck = Checkpointer(tmp_path / "ckpt", every=1, keep=5)
+    state0 = TrainState(*(_trees(0.0)[k] for k in ITEMS[:4]))
+    templates = {**state0.items(), "slots": _trees(0.0)["slots"]}
+    step, trees, meta = ck.restore_latest(templates)
+    ck.close()
+    mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+    state = TrainState.from_items(trees, meta["step"], mesh)
+    assert step == 7 and "policy_ema" not in trees
+    assert state.step.dtype == jnp.int32 and int(state.step) == 7
+    assert state.step.sharding.mesh == mesh  # placed like the optimizer states
+    np.testing.assert_array_equal(state.policy["w"], [2.0, 2.0, 2.0])
+    nxt = dataclasses.replace(state, step=state.step + 1)
+    assert int(nxt.step) == 8

@@ -147,7 +147,7 @@ def test_the_cli_refuses_an_empty_config_yaml_and_writes_nothing(run, capsys):
 # ---- 2. frozen keys, key by key, against the documented list -------------------------
 # README: "keys the checkpoint or the data order depend on (`model.*`, `data.*` except
 # `on_bad_row`, `rollout` slots, lengths, window and cache layout, `train.seed`,
-# `train.warmstart_*`, `optim.policy_ema`) are refused in one line".
+# `train.warmstart_*`) are refused in one line".
 DOCUMENTED_ROLLOUT = {"prompts_per_step", "group_size",  # slots
                       "max_prompt_len", "max_response_len",  # lengths
                       "window", "kv_policy", "kv_cache", "page_size", "num_pages"}
@@ -159,8 +159,6 @@ def documented_frozen(key: str) -> bool:
         return key != "data.on_bad_row"
     if section == "rollout":
         return name in DOCUMENTED_ROLLOUT
-    if key == "optim.policy_ema":  # whether and how the checkpoints hold the average
-        return True
     return section == "train" and (name == "seed" or name.startswith("warmstart_"))
 
 

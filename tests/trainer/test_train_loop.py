@@ -1,5 +1,6 @@
-"""The loop's small parts: TrainState as a pytree whose trees carry the checkpoint's item
-names, and the fault-injection hook the CLI builds from TPPO_FAULT_NAN_FROM_STEP."""
+"""The loop's small parts: TrainState as a pytree (its step an array) whose trees carry the
+checkpoint's item names, and the fault-injection hook the CLI builds from
+TPPO_FAULT_NAN_FROM_STEP."""
 
 import dataclasses
 
@@ -12,18 +13,26 @@ from tppo_jax.runs.checkpoint import ITEMS
 from tppo_jax.trainer.trainer import TrainHooks, nan_updates_from
 
 
-def test_train_state_is_a_pytree_with_static_step():
+def test_train_state_is_a_pytree_whose_step_is_an_array():
     s = TrainState({"w": jnp.ones(2)}, {"v": jnp.ones(3)}, {"m": jnp.zeros(2)},
                    {"m": jnp.zeros(3)}, step=7)
-    assert len(jax.tree.leaves(s)) == 4
+    assert isinstance(s.step, jax.Array) and s.step.dtype == jnp.int32 and int(s.step) == 7
+    assert len(jax.tree.leaves(s)) == 5
     doubled = jax.tree.map(lambda x: x * 2, s)
-    assert doubled.step == 7 and float(doubled.policy["w"][0]) == 2.0
-    # Its trees plus the scheduler's (slots, kv_cache) are exactly a run's checkpoint items;
-    # the policy's average (optim.policy_ema) is one only when the state holds one.
-    assert (*s.items(), "slots", "kv_cache") == tuple(k for k in ITEMS if k != "policy_ema")
-    with_avg = dataclasses.replace(s, policy_ema={"w": jnp.ones(2)})
-    assert {*with_avg.items(), "slots", "kv_cache"} == set(ITEMS)
-    assert len(jax.tree.leaves(with_avg)) == 5
+    assert int(doubled.step) == 14 and float(doubled.policy["w"][0]) == 2.0
+    # One tree structure at every step: a function jitted over the state compiles once.
+    nxt = dataclasses.replace(s, step=s.step + 1)
+    assert jax.tree.structure(nxt) == jax.tree.structure(s)
+    traces = []
+
+    @jax.jit
+    def bump(state):
+        traces.append(1)
+        return dataclasses.replace(state, step=state.step + 1)
+
+    assert int(bump(bump(s)).step) == 9 and len(traces) == 1
+    # Its trees plus the scheduler's (slots, kv_cache) are exactly a run's checkpoint items.
+    assert (*s.items(), "slots", "kv_cache") == ITEMS
 
 
 def test_nan_hook_poisons_updates_from_the_given_step():

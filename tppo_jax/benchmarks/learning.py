@@ -109,9 +109,6 @@ def summarize_run(run_dir: Path, k: int, n_questions: int | None = None,
               "steps_valid": n_questions * k}
     out: dict = {"before": b, "after": a, "delta": {m: a[m] - b[m] for m in b}, "se": {},
                  "questions": n_questions}
-    if summary.get("eval_after_live") and evals is None:  # optim.policy_ema: the average's
-        live = four_numbers(summary["eval_after_live"], k)
-        out["after_live"], out["delta_live"] = live, {m: live[m] - b[m] for m in b}
     for m in ("avg", "pass", "greedy"):
         out["se"][m] = math.hypot(binomial_se(b[m], trials[m]), binomial_se(a[m], trials[m]))
     if "greedy_correct_mask" in before and "greedy_correct_mask" in after:

@@ -50,25 +50,28 @@ Estimator = Callable[[Window, TrainBatch, AlgoConfig], Array]
 
 @dataclass(frozen=True)
 class EstimatorEntry:
-    """A registered estimator: its function and whether it reads the critic's values
-    (``needs_critic``; False: the run has no critic at all)."""
+    """A registered estimator: its function, whether it reads the critic's values
+    (``needs_critic``; False: the run has no critic at all) and whether it judges a finished
+    row by its same-step siblings (``groups``: the step reports ``group_baseline_frac``)."""
 
     fn: Estimator
     needs_critic: bool = True
+    groups: bool = False
 
 
 ESTIMATORS: dict[str, EstimatorEntry] = {}
 
 
-def register_estimator(name: str, *, needs_critic: bool = True
+def register_estimator(name: str, *, needs_critic: bool = True, groups: bool = False
                        ) -> Callable[[Estimator], Estimator]:
     """Registers ``fn(window, batch, algo) -> advantages [B, W]`` under ``name`` (the value
     of ``algo.advantage_baseline`` that selects it). ``needs_critic=False``: ``fn`` never reads
-    ``window.values`` (zeros), and its window is each finished row's whole response."""
+    ``window.values`` (zeros), and its window is each finished row's whole response.
+    ``groups``: ``fn`` reads ``batch.group`` (a baseline from same-step siblings)."""
     def add(fn: Estimator) -> Estimator:
         if name in ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
-        ESTIMATORS[name] = EstimatorEntry(fn, needs_critic)
+        ESTIMATORS[name] = EstimatorEntry(fn, needs_critic, groups)
         return fn
     return add
 
@@ -80,6 +83,13 @@ def needs_critic(a: AlgoConfig) -> bool:
     return entry is None or entry.needs_critic
 
 
+def reads_groups(a: AlgoConfig) -> bool:
+    """Whether ``a.advantage_baseline``'s estimator judges rows by their same-step siblings
+    (registered with ``groups=True``)."""
+    entry = ESTIMATORS.get(a.advantage_baseline)
+    return entry is not None and entry.groups
+
+
 @register_estimator("critic")
 def egae_estimator(w: Window, batch: TrainBatch, a: AlgoConfig) -> Array:
     """EGAE on the critic's values: GAE over the window, an unfinished window bootstrapped
@@ -87,7 +97,7 @@ def egae_estimator(w: Window, batch: TrainBatch, a: AlgoConfig) -> Array:
     return algo.egae(w.rewards, w.values, w.mask, batch.finished, gamma=a.gamma, lam=w.lam)
 
 
-@register_estimator("group")
+@register_estimator("group", groups=True)
 def group_estimator(w: Window, batch: TrainBatch, a: AlgoConfig) -> Array:
     """A finished row with a finished sibling in this step: its reward minus the siblings'
     mean (leave-one-out, as RLOO/GRPO) on every window token; EGAE elsewhere (only the
@@ -98,7 +108,7 @@ def group_estimator(w: Window, batch: TrainBatch, a: AlgoConfig) -> Array:
                      (batch.reward - base)[:, None] * w.mask, adv)
 
 
-@register_estimator("rloo", needs_critic=False)
+@register_estimator("rloo", needs_critic=False, groups=True)
 def rloo_estimator(w: Window, batch: TrainBatch, a: AlgoConfig) -> Array:
     """Critic-free (RLOO / GRPO without the std): a finished row's reward minus the mean of
     its prompt's other samples that finished in this step, on its whole response (``w``

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
@@ -37,7 +37,7 @@ from tppo_jax.learner.batch import (
     ValueRows,
     row_counts,
 )
-from tppo_jax.learner.estimators import compute_targets, needs_critic
+from tppo_jax.learner.estimators import compute_targets, needs_critic, reads_groups
 from tppo_jax.learner.losses import (
     LearnerConfig,
     critic_token_values,
@@ -94,7 +94,6 @@ class StepStats:
     advantages: dict[str, jax.Array]
     policy_cells: int = 0
     value_cells: int = 0
-    targets: Targets | None = field(default=None, repr=False)
 
 
 def batch_spec(mesh: Any) -> NamedSharding:
@@ -197,8 +196,8 @@ def put_rows(values: jax.Array, part: jax.Array, rows: jax.Array, valid: jax.Arr
 
 def advantage_stats(batch: TrainBatch, targets: Targets, *, groups: bool
                     ) -> dict[str, jax.Array]:
-    """Where the policy's advantage went (``algo.advantage_mass``) and, with ``groups`` (the
-    group baseline), the fraction of finished rows it judged."""
+    """Where the policy's advantage went (``algo.advantage_mass``) and, with ``groups`` (an
+    estimator that reads same-step siblings), the fraction of finished rows it judged."""
     out = algo.advantage_mass(targets.advantages, targets.policy_mask, batch.finished,
                               batch.correct)
     if groups:
@@ -278,8 +277,7 @@ class Learner:
         self._blank = _jit(_blank, mesh, out_shardings=rows, static_argnums=1)
         self.finish = _jit(partial(_targets, a=cfg.algo, window=cfg.window), mesh,
                            (rows, rows), rows)
-        self._adv_stats = jax.jit(partial(
-            advantage_stats, groups=cfg.algo.advantage_baseline in ("group", "rloo")))
+        self._adv_stats = jax.jit(partial(advantage_stats, groups=reads_groups(cfg.algo)))
         self._explained = jax.jit(algo.explained_variance)
 
     @property
@@ -466,7 +464,7 @@ class Learner:
         state = dataclasses.replace(state, policy=policy, value=value, policy_opt=popt,
                                     value_opt=vopt, step=state.step + 1)
         return state, StepStats(pstats, vstats, self._adv_stats(batch, targets), pcells,
-                                vcells, targets)
+                                vcells)
 
 
 def _group_values(graphdef: Any, cfg: LearnerConfig, value_params: Any, group: TokenRows

@@ -1,10 +1,11 @@
 """What the updates change and how: ``TrainState`` (the policy and value params, their
-optimizer states, the number of completed steps and, with ``optim.policy_ema``, the policy's
-average) and the optimizers that step it (AdamW on a warm-up schedule, the guarded step).
+optimizer states and the number of completed steps) and the optimizers that step it (AdamW on
+a warm-up schedule, the guarded step).
 
-``TrainState`` is a pytree (the trees are its children, ``step`` is static), so it can be
-mapped over like any other tree; ``items()`` names its trees as the checkpoint items they are
-saved as.
+``TrainState`` is a pytree whose children are all arrays, ``step`` too (an int32 scalar, as
+levanter's): its tree structure is the same at every step, so a function jitted over the whole
+state compiles once, not once per step value. ``items()`` names its trees as the checkpoint
+items they are saved as; the step is saved in the checkpoint's metadata.
 """
 
 from __future__ import annotations
@@ -26,24 +27,27 @@ class TrainState:
     value: Any  # pure dict of the value model's params (None: a critic-free run)
     policy_opt: Any  # optax state of the policy's optimizer
     value_opt: Any  # optax state of the critic's optimizer (None: critic-free)
-    step: int = dataclasses.field(default=0, metadata={"static": True})  # completed steps
-    # The moving average of the policy's trained params (optim.policy_ema; None: off)
-    policy_ema: Any = None
+    step: Any = 0  # completed steps: an int32 scalar array (a Python int is converted)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, int):  # not while jax rebuilds the tree with other leaves
+            self.step = jnp.asarray(self.step, jnp.int32)
 
     def items(self) -> dict[str, Any]:
         """The trees by checkpoint item name (the names existing checkpoints use); a
         critic-free run has no ``value`` / ``value_opt``."""
         trees = {"policy": self.policy, "value": self.value, "policy_opt": self.policy_opt,
-                 "value_opt": self.value_opt, "policy_ema": self.policy_ema}
+                 "value_opt": self.value_opt}
         return {k: v for k, v in trees.items() if v is not None}
 
     @classmethod
     def from_items(cls, trees: dict[str, Any], step: int, mesh: Any) -> TrainState:
-        """The state restored from checkpoint ``trees`` (optimizer leaves put on ``mesh``)."""
+        """The state restored from checkpoint ``trees`` and the metadata's ``step``
+        (optimizer leaves and the step put on ``mesh``)."""
         vopt = trees.get("value_opt")
         return cls(trees["policy"], trees.get("value"), commit_to_mesh(trees["policy_opt"], mesh),
-                   None if vopt is None else commit_to_mesh(vopt, mesh), step,
-                   trees.get("policy_ema"))
+                   None if vopt is None else commit_to_mesh(vopt, mesh),
+                   commit_to_mesh(jnp.asarray(step, jnp.int32), mesh))
 
 
 def commit_to_mesh(tree: Any, mesh: Any) -> Any:

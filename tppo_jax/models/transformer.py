@@ -306,13 +306,6 @@ def stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
     return make(rngs)
 
 
-def layer_slice(layers: nnx.Module, i: int) -> nnx.Module:
-    """Layer ``i`` of stacked ``layers`` as a module of its own (a copy: for inspection and
-    tests; the forwards scan the stack instead)."""
-    graphdef, state = nnx.split(layers)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
-
-
 class Backbone(nnx.Module):
     """Embedding + decoder layers (stacked, scanned) + final norm; shared by the policy and
     the value model."""

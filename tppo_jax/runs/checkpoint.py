@@ -57,11 +57,10 @@ def checkpoint_path(directory: str | Path) -> epath.Path:
 # The items a training run's checkpoints hold (``TrainState.items()`` +
 # ``TruncatedRolloutScheduler.checkpoint_items()``); the Checkpointer itself saves and
 # restores whatever trees it is given. kv_cache: the scheduler's cache of unfinished rows,
-# so a resumed run continues exactly as an uninterrupted one would. policy_ema: only with
-# optim.policy_ema (weights/params.py).
-ITEMS = ("policy", "value", "policy_opt", "value_opt", "slots", "kv_cache", "policy_ema")
+# so a resumed run continues exactly as an uninterrupted one would.
+ITEMS = ("policy", "value", "policy_opt", "value_opt", "slots", "kv_cache")
 # Items a save refuses to write when they hold NaN or inf (a diverged run's params).
-FINITE_ITEMS = ("policy", "value", "policy_ema")
+FINITE_ITEMS = ("policy", "value")
 DAMAGED = ".damaged"  # suffix of a step set aside by a resume (Orbax ignores the folder)
 # How the models' params are laid out, written into every checkpoint's metadata: decoder
 # layers stacked on a leading axis (models/transformer.py). A checkpoint without it was written

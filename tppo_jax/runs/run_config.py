@@ -33,7 +33,6 @@ FROZEN_KEYS = (
     "rollout.prompts_per_step", "rollout.group_size", "rollout.max_prompt_len",
     "rollout.max_response_len", "rollout.window", "rollout.kv_policy", "rollout.kv_cache",
     "rollout.page_size", "rollout.num_pages", "train.seed",
-    "optim.policy_ema",  # the checkpoints' average: what it holds, and whether they hold one
 )
 # data.on_bad_row only decides whether a bad row stops the run; the rows kept are the same.
 MUTABLE_IN_FROZEN = ("data.on_bad_row",)

@@ -66,11 +66,8 @@ from tppo_jax.trainer.step_log import Reshard, Update, step_metrics
 from tppo_jax.trainer.value_pretrain import PretrainParts, pretrain_value
 from tppo_jax.weights.params import (
     compute_copy,
-    evaluated,
     saved_items,
-    step_ema,
     trainable_keys,
-    with_ema,
     with_frozen,
 )
 from tppo_jax.weights.start import Models, decode_shardings, load_models, reference_copy
@@ -161,6 +158,11 @@ class Trainer:
     def primary(self) -> bool:  # process 0 writes the run dir's files
         return mh.is_primary()
 
+    @property
+    def step(self) -> int:
+        """The steps completed (``state.step``, a device scalar, read to the host)."""
+        return int(self.state.step)
+
     # -- building and restoring ---------------------------------------------------------
 
     def _build(self, cfg: Config, run_dir: str | Path, resume: bool, progress: bool) -> None:
@@ -203,7 +205,7 @@ class Trainer:
         state = init_state(params.policy, params.value, LearnerConfig.from_config(cfg),
                            trainable=(keep_p, keep_v), mesh=self.mesh)
         del params  # the params live in TrainState from here: no second copy
-        self.state = with_ema(state, cfg)  # before a restore: the template of its checkpoint
+        self.state = state  # before a restore: the template of its checkpoint
         # The policy RL started from, for algo.kl_coef > 0 (else None), made before a resume
         # restores the trained params so a resumed run keeps the same reference. LoRA: the
         # frozen base is the reference (adapters zeroed inside the loss): no copy.
@@ -254,7 +256,7 @@ class Trainer:
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """Each host's data iterator and scheduler state, gathered (process 0 writes it)."""
-        return {"step": self.state.step, "eval_before": self.eval_before,
+        return {"step": self.step, "eval_before": self.eval_before,
                 "num_processes": jax.process_count(),
                 "hosts": mh.gather_json({"data_state": self.pipeline.state_json(),
                                          "scheduler": self.sched.host_state()})}
@@ -298,15 +300,13 @@ class Trainer:
                         sum(x.nbytes for x in jax.tree.leaves(params)))
         return nnx.merge(self.models.policy_def, params), moved
 
-    def evaluate(self, *, live: bool = False) -> dict[str, Any]:
+    def evaluate(self) -> dict[str, Any]:
         """Held-out accuracy under the ``run`` protocol (``eval.protocol``): avg@k sampled
-        as in training (the headline) and greedy, of the run's result policy (the average,
-        with ``optim.policy_ema``; ``live``: the params rollouts sample from)."""
-        state = self.state if live else evaluated(self.state, self.cfg)
+        as in training (the headline) and greedy, of the run's policy."""
         p = run_protocol(self.cfg)
         kw = dict(max_prompt_len=self.cfg.rollout.max_prompt_len, max_response_len=p.max_tokens,
                   mesh=self.decode_mesh, engines=self.eval_engines)
-        tok, policy = self.models.tokenizer, self.policy_module(state)  # one reshard
+        tok, policy = self.models.tokenizer, self.policy_module()  # one reshard
         sampled = evaluate(policy, tok, self.eval_rows, self.encode, self.grader,
                            k=p.samples, sampling=p.sampling, seed=p.seed, **kw)
         greedy = evaluate(policy, tok, self.eval_rows, self.encode, self.grader, **kw)
@@ -320,7 +320,7 @@ class Trainer:
                 self.eval_before = json.loads((self.run_dir / "eval_before.json").read_text())
             else:
                 self.eval_before = self.evaluate()
-                self.metrics.write_eval(self.state.step, "before", self.eval_before)
+                self.metrics.write_eval(self.step, "before", self.eval_before)
                 self._warn_no_answer()
         if self.primary:
             (self.run_dir / "eval_before.json").write_text(json.dumps(self.eval_before))
@@ -365,23 +365,19 @@ class Trainer:
             target_hit, last_eval = self._maybe_evaluate(train_time, last_eval)
             preempted, time_up = self._stop_flags(stopper, train_time)
             stop = target_hit or time_up
-            self.checkpoint(last=self.state.step == cfg.train.steps or stop or preempted)
+            self.checkpoint(last=self.step == cfg.train.steps or stop or preempted)
             if preempted:
-                log.warning("preempted: checkpoint saved at step %d", self.state.step)
+                log.warning("preempted: checkpoint saved at step %d", self.step)
                 break
             if stop:
                 log.info("stopping at step %d (target accuracy or time budget reached)",
-                         self.state.step)
+                         self.step)
                 break
         after = self.evaluate() if not preempted else None
         if after is not None:
-            self.metrics.write_eval(self.state.step, "after", after)
-        # With a policy average, the live policy's numbers too: what the average changed.
-        live = (self.evaluate(live=True)
-                if after is not None and self.state.policy_ema is not None else None)
+            self.metrics.write_eval(self.step, "after", after)
         return {"eval_before": before, "eval_after": after,
-                **({"eval_after_live": live} if live is not None else {}),
-                "steps": self.state.step, "preempted": preempted,
+                "steps": self.step, "preempted": preempted,
                 "train_seconds": time.time() - t_start,
                 "run_dir": self.rd.remote or str(self.run_dir)}
 
@@ -395,7 +391,7 @@ class Trainer:
         updates; ``state.step`` goes one on), then the scheduler samples from the new
         policy and frees the finished rows' slots."""
         cfg, state = self.cfg, self.state
-        step = state.step  # 0-based: the steps done so far
+        step = self.step  # 0-based: the steps done so far
         edit = (None if hooks is None or hooks.before_update is None
                 else partial(hooks.before_update, step))
         state, out, batch, rows = learn_from(
@@ -425,7 +421,7 @@ class Trainer:
             log.warning("step %d: %s compiled a new shape (batch width %d, critic rows %d); "
                         "shapes so far: %s", step + 1, ", ".join(late), width, nrows,
                         self.watch.sizes())
-        self.state = step_ema(state, cfg)
+        self.state = state
         policy, moved = self._policy_module(self.state)
         self.sched.set_policy(policy, step + 1)
         self.sched.release_finished(roll.rb.finished)
@@ -435,17 +431,17 @@ class Trainer:
     def log(self, roll: Rollout, upd: Update, train_time: float = 0.0) -> dict[str, Any]:
         """Writes the step's metrics (``step_log.step_metrics``) and sample completions;
         returns the metrics row."""
-        row = self.metrics.write(self.state.step, step_metrics(
-            self.cfg, self.state.step, roll, upd, self.sched, self.watch, train_time))
-        self.metrics.write_samples(self.state.step, roll.samples)
+        row = self.metrics.write(self.step, step_metrics(
+            self.cfg, self.step, roll, upd, self.sched, self.watch, train_time))
+        self.metrics.write_samples(self.step, roll.samples)
         return row
 
     def checkpoint(self, *, last: bool) -> None:
         """Saves on schedule and at the ``last`` step; a bucket run's files are mirrored
         after."""
         # Built only for a save: the host-state gather and slot upload are not free.
-        if (last or self.ckpt.due(self.state.step)) and self.ckpt.save(
-                self.state.step, self.checkpoint_trees(), self.checkpoint_meta(),
+        if (last or self.ckpt.due(self.step)) and self.ckpt.save(
+                self.step, self.checkpoint_trees(), self.checkpoint_meta(),
                 force=True) and self.primary:
             mirror(self.rd)
 
@@ -461,12 +457,12 @@ class Trainer:
         tc = self.cfg.train
         # Every host decides on the primary's clock: the hosts must run the eval together.
         due = mh.max_over_hosts({"due": self.primary and eval_due(
-            tc, self.state.step, train_time, last_eval)})["due"]
+            tc, self.step, train_time, last_eval)})["due"]
         if not due:
             return False, last_eval
         res = self.evaluate()  # identical on every host
-        self.metrics.write(self.state.step, {f"eval_{k}": v for k, v in res.items()})
-        self.metrics.write_eval(self.state.step, "during", res, loggers=False)
+        self.metrics.write(self.step, {f"eval_{k}": v for k, v in res.items()})
+        self.metrics.write_eval(self.step, "during", res, loggers=False)
         return (tc.target_accuracy is not None and res["accuracy"] >= tc.target_accuracy,
                 train_time)
 

@@ -1,5 +1,4 @@
-"""Which params a run trains and what its checkpoints hold, with and without LoRA, and the
-policy's moving average (``optim.policy_ema``).
+"""Which params a run trains and what its checkpoints hold, with and without LoRA.
 
 Without LoRA (``model.lora_rank: 0``) every param trains: the optimizers' states cover the
 whole models and checkpoints hold them whole. With LoRA only the adapters train (and, with
@@ -9,26 +8,11 @@ rebuilt from ``model.path`` (or the warm-start) and joined back on restore.
 
 ``TrainState`` always holds the full params (base + adapters) so rollout, evaluation and the
 critic's forward read one tree; ``models.lora.split_trainable`` separates them where needed.
-
-The average: an exponential moving average of the policy's params (``optim.policy_ema``, Polyak
-averaging): what the run's held-out evals, checkpoints' ``policy_ema`` item and readers of a
-run (``tppo eval`` / ``export`` / ``serve``) take as its policy; rollouts sample from the
-live params, so the average changes nothing that trains.
-
-Why: on a small batch the policy's steps are mostly noise (the shuffled-reward control loses
-as many greedy answers as a real run); an average over the last ~1 / (1 - decay) steps keeps
-the drift the reward causes and cancels the part of that noise a later step undoes. Measured
-on the long tail (0.95, results/README.md), the answers lost stay lost over ~20 steps: the
-average is within one greedy answer of the live params, so the option is off by default.
-The average covers only what trains (the LoRA adapters under LoRA), starts at the params RL
-starts from, and needs no bias correction.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import asdict
-from functools import partial
 from typing import Any
 
 import jax
@@ -36,7 +20,6 @@ import jax.numpy as jnp
 
 from tppo_jax.config import Config
 from tppo_jax.learner.init import trained_part
-from tppo_jax.learner.state import TrainState
 from tppo_jax.models.lora import join_params, split_trainable
 from tppo_jax.models.precision import cast_params, compute_dtype
 
@@ -126,47 +109,3 @@ def compute_copy(params: Any, cfg: Config) -> Any:
     """``params`` in the dtype the model computes in (``model.dtype``): the decode copy of
     the policy and the KL reference; ``params`` itself when they are stored so already."""
     return cast_params(params, compute_dtype(cfg.model.dtype, cfg.model.param_dtype))
-
-
-# The checkpoint item readers take a run's policy from.
-LIVE_ITEM, EMA_ITEM = "policy", "policy_ema"
-
-
-@partial(jax.jit, donate_argnums=0)
-def ema_update(avg: Any, params: Any, decay: jax.Array) -> Any:
-    """``decay * avg + (1 - decay) * params`` per leaf (``avg`` donated: updated in place)."""
-    return jax.tree.map(lambda a, p: (decay * a + (1.0 - decay) * p).astype(a.dtype), avg,
-                        params)
-
-
-def with_ema(state: TrainState, cfg: Config) -> TrainState:
-    """``state`` with its average started at its policy (the trained part, copied), when
-    ``optim.policy_ema`` is on; else unchanged."""
-    if not cfg.optim.policy_ema:
-        return state
-    # A copy: the update donates the average's buffers, never the live params'.
-    trained = trained_part(state.policy, trainable_keys(cfg)[0])
-    return dataclasses.replace(state, policy_ema=jax.tree.map(jnp.copy, trained))
-
-
-def step_ema(state: TrainState, cfg: Config) -> TrainState:
-    """The average moved one step toward ``state.policy`` (a no-op when off)."""
-    if state.policy_ema is None:
-        return state
-    keep = trainable_keys(cfg)[0]
-    return dataclasses.replace(state, policy_ema=ema_update(
-        state.policy_ema, trained_part(state.policy, keep), cfg.optim.policy_ema))
-
-
-def evaluated(state: TrainState, cfg: Config) -> TrainState:
-    """The state whose policy is the run's result: the average joined with the frozen rest
-    when ``optim.policy_ema`` is on, else ``state`` itself."""
-    if state.policy_ema is None:
-        return state
-    keep = trainable_keys(cfg)[0]
-    return dataclasses.replace(state, policy=rejoin(state.policy_ema, state.policy, keep))
-
-
-def policy_item(cfg: Config) -> str:
-    """The checkpoint item that holds a run's result policy."""
-    return EMA_ITEM if cfg.optim.policy_ema else LIVE_ITEM

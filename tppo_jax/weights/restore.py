@@ -98,9 +98,7 @@ def _checkpoint_policy(cfg: Config, run_dir: Path, step: int | None, merge_lora:
             return tok, policy, got or 0, tok_file
         tok, tok_file, pdef, template = _policy_template(cfg, run_dir, ckpt, step)
         # The newest (or the given) step whose policy files verify.
-        from tppo_jax.weights.params import policy_item
-
-        found = ckpt.latest_good_item(policy_item(cfg), template, step)
+        found = ckpt.latest_good_item("policy", template, step)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     finally:
@@ -138,14 +136,13 @@ def _lora_policy(cfg: Config, run_dir: Path, ckpt: Checkpointer, step: int | Non
     from flax import nnx
 
     from tppo_jax.models.lora import add_lora, join_params, lora_spec, merge_lora, split_trainable
-    from tppo_jax.weights.params import policy_item
     from tppo_jax.weights.start import start_policy
 
     spec = lora_spec(cfg.model)
     tok, policy, tok_file = start_policy(cfg, run_dir, progress=False)
     graphdef, state = nnx.split(add_lora(policy, spec, seed=cfg.train.seed))
     adapters, frozen = split_trainable(nnx.to_pure_dict(state))
-    found = ckpt.latest_good_item(policy_item(cfg), adapters, step)
+    found = ckpt.latest_good_item("policy", adapters, step)
     if found is not None:
         step, adapters = found
     model = nnx.merge(graphdef, join_params(adapters, frozen))
