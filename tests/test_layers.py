@@ -197,3 +197,20 @@ def test_the_reader_sees_every_form_of_import(tmp_path, monkeypatch, source, tar
     monkeypatch.setitem(MODULES, fake, path)
     found = [t for t, _ in imports(fake)]
     assert target in found and RANK[unit(target)] > RANK[unit(fake)]
+
+
+def test_loading_a_config_imports_no_jax():
+    """Validation asks no registry above the config: a config with every plugin-like key set
+    loads (and is checked) without jax, flax, optax, sympy or the packages above it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tppo_jax.config import load_config; "
+            "load_config('default', ['data.fields={question: q}', 'reward.fn=m:f', "
+            "'algo.advantage_baseline=rloo']); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('jax', 'flax', 'optax', 'sympy', 'math_verify') or m.startswith("
+            "('tppo_jax.learner', 'tppo_jax.data', 'tppo_jax.rewards', 'tppo_jax.models'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=PACKAGE.parent, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
