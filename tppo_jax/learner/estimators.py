@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from tppo_jax import algo
 from tppo_jax.config import AlgoConfig, ConfigError
+from tppo_jax.config_checks import quote
 from tppo_jax.learner.batch import Targets, TrainBatch
 from tppo_jax.plugins import load_plugin
 
@@ -86,7 +87,7 @@ def resolve_estimator(name: str) -> EstimatorEntry:
         return entry
     if ":" not in name:
         names = sorted(n for n in ESTIMATORS if ":" not in n)
-        raise ConfigError(f"algo.advantage_baseline: {name!r} is not a registered estimator; "
+        raise ConfigError(f"algo.advantage_baseline: {quote(name)} is not a registered estimator; "
                           f"one of {names}, or package.module:function")
     fn = load_plugin("algo.advantage_baseline", name)
     entry = next((e for e in ESTIMATORS.values() if e.fn is fn), None) or EstimatorEntry(fn)
