@@ -2,6 +2,7 @@
 ``tppo_jax/plugins.py``): imported from the working directory, read by the targets, and refused
 in one line, naming the key, when it cannot be found; a registered name keeps working."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,7 +41,7 @@ def test_an_estimator_named_by_its_module_is_the_one_the_targets_read(tmp_path, 
         a = AlgoConfig(advantage_baseline=name, whiten_advantages=False, advantage_clip=None)
         assert needs_critic(a)
         batch, values = _batch()
-        out = compute_targets(values, batch, a, 6)
+        out = jax.jit(compute_targets, static_argnums=(2, 3))(values, batch, a, 6)
         adv, mask = np.asarray(out.advantages), np.asarray(out.policy_mask)
         assert mask.any() and np.all(adv[mask > 0] == 7.0) and np.all(adv[mask == 0] == 0.0)
     finally:
