@@ -1,9 +1,11 @@
 """Validation of a built config: one range table for every numeric field, then the checks
 between fields. ``tppo_jax.config`` re-exports ``ConfigError`` and ``validate``.
 
-Kept apart from ``config.py`` (the dataclasses and the loader) so each stays small; this
-module imports nothing from it at runtime (no import cycle): it walks the config's dataclass
-fields and their type hints.
+Kept apart from ``config.py`` (the loader) so each stays small; it imports only
+``config_schema`` (the sections, below it): it walks the config's dataclass fields and their
+type hints. A key that names a plugin (``reward.fn``, ``algo.advantage_baseline``) is checked
+for its shape here and resolved where it is used (``plugins.py``): validation imports nothing
+above the config.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import typing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tppo_jax.config_schema import DEFAULT_FIELDS
+
 if TYPE_CHECKING:
-    from tppo_jax.config import Config
+    from tppo_jax.config_schema import Config
 
 
 class ConfigError(ValueError):
@@ -158,11 +162,11 @@ FREE_TEXT = frozenset({
     "model.path", "model.value_path", "data.source", "data.fields", "data.prompt_template",
     "data.system_prompt", "checkpoint.dir", "train.compile_cache",
     "data.eval_source",  # read (one-line DataError when it cannot be) as data.source is
-    "reward.fn",  # imported (and refused in one line) when the grader starts: rewards/custom.py
+    "reward.fn",  # package.module:function (check_plugin_path); imported where the grader starts
     "data.hf_config", "data.split", "data.hf_revision",  # the names' shape: _check_hub_names
     "model.lora_targets",  # projection names: parse_lora_targets
     "logging.wandb_project", "logging.wandb_name", "logging.wandb_entity",  # wandb's to judge
-    "algo.advantage_baseline",  # a registered estimator's name: _check_estimator
+    "algo.advantage_baseline",  # an estimator's name or package.module:function (_check_plugins)
 })
 
 
@@ -185,20 +189,33 @@ def parse_lora_targets(text: str) -> tuple[str, ...]:
 def validate(cfg: Config, num_devices: int | None = None, num_processes: int = 1) -> None:
     """Every field's range, then cross-field checks; raises ``ConfigError`` naming the key."""
     check_ranges(cfg)
-    _check_estimator(cfg)
+    _check_plugins(cfg)
     _check_rollout_and_algo(cfg)
     _check_data_and_model(cfg)
     _check_layout(cfg, num_devices, num_processes)
 
 
-def _check_estimator(cfg: Config) -> None:
-    """``algo.advantage_baseline`` names a registered estimator (learner/estimators.py)."""
-    from tppo_jax.learner.estimators import ESTIMATORS
+def check_plugin_path(key: str, path: str) -> tuple[str, str]:
+    """``(module, function)`` of ``package.module:function``, the one form a config names a
+    user's function in (``plugins.py``); ``ConfigError`` naming ``key`` otherwise."""
+    module, sep, name = path.partition(":")
+    if not sep or not module or not name:
+        raise ConfigError(f"{key}: expected package.module:function, got {path!r}")
+    return module, name
 
+
+def _check_plugins(cfg: Config) -> None:
+    """The keys that name a function have its shape. Whether it exists is known where it is
+    imported (``learner/estimators.py resolve_estimator``, ``rewards/custom.py``): before a
+    run claims its directory, and in ``tppo config``."""
+    if cfg.reward.fn:
+        check_plugin_path("reward.fn", cfg.reward.fn)
     name = cfg.algo.advantage_baseline
-    if name not in ESTIMATORS:
-        raise ConfigError(f"algo.advantage_baseline: {quote(name)} is not a registered "
-                          f"estimator; one of {sorted(ESTIMATORS)}")
+    if ":" in name:
+        check_plugin_path("algo.advantage_baseline", name)
+    elif not name.strip():
+        raise ConfigError("algo.advantage_baseline: expected a registered estimator's name "
+                          f"or package.module:function, got {name!r}")
 
 
 def section_fields(cfg: Config) -> typing.Iterator[tuple[str, Any, Any]]:
@@ -317,10 +334,6 @@ def _check_data_and_model(cfg: Config) -> None:
 def _check_fields(fmt: str, fields: dict[str, str]) -> None:
     """``data.fields`` keys the row format has (``read_examples`` would raise a bare
     ValueError inside ``tppo train``)."""
-    # Imported only here: the data package pulls in sympy (~0.4 s), which a config without
-    # data.fields does not need.
-    from tppo_jax.data.formats import DEFAULT_FIELDS
-
     allowed = DEFAULT_FIELDS[fmt]
     unknown = sorted(set(fields) - set(allowed))
     if unknown:

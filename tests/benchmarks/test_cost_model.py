@@ -5,12 +5,12 @@ import json
 import numpy as np
 import pytest
 
-from tppo_jax.benchmarks.cost_model import (
+from tppo_jax.benchmarks.cost_model import explain_gap
+from tppo_jax.benchmarks.costs import (
     Counts,
     Units,
     accelerator_units,
     compare,
-    explain_gap,
     load_compiled,
     matmul_params,
     projection,
@@ -74,7 +74,7 @@ def test_steady_state_at_paper_scale_is_the_issues_047():
     """At 8192 slots, L = 24k, l = 8k and log-normal lengths (median L/8, sigma 0.9), the
     steady state holds T-PPO at ~0.47 occupancy and ~2.56x fewer decode steps per sample than
     PPO; a 4-batch replay counting its drain gave 0.31."""
-    from tppo_jax.benchmarks.cost_model import lognormal_lengths
+    from tppo_jax.benchmarks.costs import lognormal_lengths
 
     lengths = lognormal_lengths(8192 * 8, 3072, 0.9, 24576)
     u = Units(1.0, 0.0, 1e-6, 1e-6, 0.0, 0.0, 0.0)

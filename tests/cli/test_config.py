@@ -120,5 +120,10 @@ def test_a_removed_key_at_its_old_default_reads_as_absent():
 
 
 def test_advantage_baseline_names_a_registered_estimator():
+    """Checked where the estimator is resolved (a plugin path is imported there): ``tppo
+    config`` and the trainer before it claims a run dir; the config itself imports no learner."""
+    from tppo_jax.learner import resolve_estimator
+
+    cfg = load_config("smoke", ["algo.advantage_baseline=grpo"])
     with pytest.raises(ConfigError, match="not a registered estimator; one of .*critic.*group"):
-        validate(load_config("smoke", ["algo.advantage_baseline=grpo"]))
+        resolve_estimator(cfg.algo.advantage_baseline)

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from tppo_jax.data.answers import answer_problem
 from tppo_jax.data.readers import DataError, read_examples
-from tppo_jax.rewards.grader import answer_problem, grade_one
+from tppo_jax.rewards.grading import grade_one
 
 BAD = ["\\frac{1}{", "$$", "\\text{}", "nan", "1/0"]
 GOOD = ["42", "-3.5", "\\frac{1}{2}", "\\text{Tuesday}", "(1,2)", "\\infty", "x+1", "C"]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tppo_jax.models.transformer import ModelConfig, Transformer, apply_rope, rope_inv_freq
+from tppo_jax.models.rope import apply_rope, rope_inv_freq
+from tppo_jax.models.transformer import ModelConfig, Transformer
 
 V = 64
 # Jitted forward: tests compile once per shape instead of dispatching every op eagerly.

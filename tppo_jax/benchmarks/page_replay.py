@@ -291,7 +291,7 @@ def block_occupancy(config: str, median: float, sigma: float, prompt: int, windo
     """Steady-state occupancy of the on-demand allocator on ``blocks`` of ``config``'s page
     blocks (their slots and pages as in the full pool; a window then lasts as long as the
     busiest of these slots, not of all of them): the cost model's sensitivity table."""
-    from tppo_jax.benchmarks.cost_model import lognormal_lengths
+    from tppo_jax.benchmarks.costs import lognormal_lengths
 
     pool, rc = config_pool(config)
     small = Pool(slots=pool.per_block * blocks, blocks=blocks, page_size=pool.page_size,
@@ -302,7 +302,7 @@ def block_occupancy(config: str, median: float, sigma: float, prompt: int, windo
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tppo_jax.benchmarks.cost_model import lognormal_lengths
+    from tppo_jax.benchmarks.costs import lognormal_lengths
 
     pool, rc = config_pool(args.config)
     L, window = rc["L"], rc["window"]

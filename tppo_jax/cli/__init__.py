@@ -20,9 +20,11 @@ __all__ = ["COMMANDS", "add_config_args", "build_parser", "main", "register"]
 
 def cmd_config(args: argparse.Namespace) -> int:
     """Print the resolved config (after overrides and validation) as YAML."""
+    from tppo_jax.learner.estimators import resolve_estimator
     from tppo_jax.rewards.custom import check_reward
 
     cfg = load_config(args.config, args.overrides)
+    resolve_estimator(cfg.algo.advantage_baseline)  # a package.module:function imported
     check_reward(cfg.reward)  # reward.fn imported and called once on a sample row
     print(cfg.to_yaml(), end="")
     return 0

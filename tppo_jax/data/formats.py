@@ -27,6 +27,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from tppo_jax.data.answers import answer_problem  # math-verify: imported on first use
+
 Format = Literal["dapo", "gsm8k", "math", "generic", "mathqa", "svamp", "asdiv"]
 
 
@@ -43,26 +45,6 @@ class MathExample:
     answer: str  # ground-truth final answer, as a string (graded by math-verify)
     solution: str | None = None
     source: str = ""
-
-
-# Default field mapping per format. Keys: question, answer, solution, id (any may be None).
-DEFAULT_FIELDS: dict[str, dict[str, str | None]] = {
-    "dapo": {"question": "prompt", "answer": "reward_model.ground_truth", "solution": None,
-             "id": None},
-    "gsm8k": {"question": "question", "answer": "answer", "solution": None, "id": None},
-    # MATH-500's rows carry `unique_id` ("test/algebra/1.json"); rows without one are numbered.
-    "math": {"question": "problem", "answer": "answer", "solution": "solution",
-             "id": "unique_id"},
-    "generic": {"question": "question", "answer": "answer", "solution": "solution", "id": "id"},
-    # Parsed by the functions at the end of this module. MathQA's "answer" is the correct
-    # option's letter.
-    "mathqa": {"question": "Problem", "answer": "correct", "options": "options",
-               "solution": "Rationale", "id": None},
-    "svamp": {"question": "Question", "body": "Body", "answer": "Answer", "solution": "Equation",
-              "id": "ID"},
-    "asdiv": {"question": "question", "body": "body", "answer": "answer", "solution": "formula",
-              "id": "id"},
-}
 
 
 def last_boxed(text: str) -> str | None:
@@ -207,8 +189,6 @@ def _example(question: str, answer: str, solution: str | None, id_val: Any, row_
     """Final checks shared by every format; a missing/empty id falls back to ``row_id``."""
     if not answer:
         raise ValueError("empty answer")
-    from tppo_jax.rewards.grader import answer_problem  # math-verify: imported on first use
-
     if (why := answer_problem(answer)) is not None:
         shown = answer if len(answer) <= 40 else answer[:40] + "..."
         raise ValueError(f"answer {shown!r} cannot be graded: {why}")

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tppo_jax.config_schema import DEFAULT_FIELDS  # re-exported, as the row types are
 from tppo_jax.data.formats import (  # re-exported: the row types callers import from here
-    DEFAULT_FIELDS,
     DataError,
     Format,
     MathExample,

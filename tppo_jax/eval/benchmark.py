@@ -34,7 +34,8 @@ from tppo_jax.eval.heldout import EvalEngines, GradedSamples, decode_and_grade
 from tppo_jax.eval.metrics import score
 from tppo_jax.eval.protocol import EvalProtocol
 from tppo_jax.parallel import multihost as mh
-from tppo_jax.rewards.grader import MathGrader, extract_answer
+from tppo_jax.rewards.grader import MathGrader
+from tppo_jax.rewards.grading import extract_answer
 
 FORMATS: tuple[str, ...] = typing.get_args(Format)
 

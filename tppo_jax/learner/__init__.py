@@ -16,6 +16,7 @@ from tppo_jax.learner.estimators import (
     Window,
     compute_targets,
     register_estimator,
+    resolve_estimator,
 )
 from tppo_jax.learner.learner import Learner, RowPlan, StepStats, batch_spec, placed
 from tppo_jax.learner.losses import LearnerConfig
@@ -30,4 +31,4 @@ from tppo_jax.learner.state import (
 __all__ = ["ESTIMATORS", "Learner", "LearnerConfig", "PolicyRows", "RowPlan", "StepStats",
            "Targets", "TokenRows", "TrainBatch", "TrainState", "ValueRows", "Window",
            "batch_spec", "commit_to_mesh", "compute_targets", "make_optimizer", "placed",
-           "policy_optimizer", "register_estimator", "value_optimizer"]
+           "policy_optimizer", "register_estimator", "resolve_estimator", "value_optimizer"]

@@ -8,7 +8,9 @@ adds the critic's Monte-Carlo returns and the masks. A new estimator is one func
     def my_baseline(w: Window, batch: TrainBatch, a: AlgoConfig) -> jax.Array:  # [B, W]
         ...
 
-and ``algo.advantage_baseline: my_baseline`` selects it (docs/architecture.md).
+and ``algo.advantage_baseline: my_baseline`` selects it (docs/architecture.md). A config can
+also name one as ``package.module:function`` (``algo.advantage_baseline: my_pkg.est:my_baseline``,
+the rule ``reward.fn`` follows: ``tppo_jax/plugins.py``); ``resolve_estimator`` imports it.
 
 An estimator registered with ``needs_critic=False`` (``rloo``) makes the run critic-free: no
 value model is built, trained, checkpointed or compiled, value pretraining is skipped, and the
@@ -26,8 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from tppo_jax import algo
-from tppo_jax.config import AlgoConfig
+from tppo_jax.config import AlgoConfig, ConfigError
+from tppo_jax.config_checks import quote
 from tppo_jax.learner.batch import Targets, TrainBatch
+from tppo_jax.plugins import load_plugin
 
 Array = jax.Array
 
@@ -76,11 +80,28 @@ def register_estimator(name: str, *, needs_critic: bool = True, groups: bool = F
     return add
 
 
+def resolve_estimator(name: str) -> EstimatorEntry:
+    """The estimator ``algo.advantage_baseline`` names: a registered name, or
+    ``package.module:function``, imported here (``plugins.load_plugin``) and kept in
+    ``ESTIMATORS`` under that path. A function registered with ``register_estimator`` keeps
+    its flags; any other reads the critic. ``ConfigError`` in one line when it names none."""
+    entry = ESTIMATORS.get(name)
+    if entry is not None:
+        return entry
+    if ":" not in name:
+        names = sorted(n for n in ESTIMATORS if ":" not in n)
+        raise ConfigError(f"algo.advantage_baseline: {quote(name)} is not a registered estimator; "
+                          f"one of {names}, or package.module:function")
+    fn = load_plugin("algo.advantage_baseline", name)
+    entry = next((e for e in ESTIMATORS.values() if e.fn is fn), None) or EstimatorEntry(fn)
+    ESTIMATORS[name] = entry
+    return entry
+
+
 def needs_critic(a: AlgoConfig) -> bool:
-    """Whether ``a.advantage_baseline``'s estimator reads a critic (unknown names: True, and
-    config validation refuses them)."""
-    entry = ESTIMATORS.get(a.advantage_baseline)
-    return entry is None or entry.needs_critic
+    """Whether ``a.advantage_baseline``'s estimator reads a critic (``resolve_estimator``:
+    ``ConfigError`` when it names none)."""
+    return resolve_estimator(a.advantage_baseline).needs_critic
 
 
 def reads_groups(a: AlgoConfig) -> bool:
@@ -163,7 +184,7 @@ def compute_targets(values: Array, batch: TrainBatch, a: AlgoConfig, window: int
     total = start + wlen
     rewards = outcome_rewards(batch)
     lam = policy_lambda(batch, a, window)
-    entry = ESTIMATORS[a.advantage_baseline]
+    entry = resolve_estimator(a.advantage_baseline)
     if entry.needs_critic:
         pmask = algo.policy_mask(s, start, wlen, fin, ignore_last=a.window_ignore_tokens)
     else:  # the window: a finished row's whole response

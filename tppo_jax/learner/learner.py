@@ -206,7 +206,7 @@ def advantage_stats(batch: TrainBatch, targets: Targets, *, groups: bool
 
 
 @dataclass(frozen=True)
-class Update:
+class UpdatePrograms:
     """One update's (policy or value) jitted programs: the row gather ``take``, the group
     gradient ``grads`` (the one that compiles per group shape), and the minibatch's sum,
     denominators, guarded step and stats."""
@@ -296,7 +296,7 @@ class Learner:
 
     def _update(self, kind: Kind, graphdef: Any, tx: optax.GradientTransformation,
                 trainable: tuple[str, ...] | None, placed_now: tuple[Any, Any] | None
-                ) -> Update:
+                ) -> UpdatePrograms:
         cfg, mesh, rows, rep = self.cfg, self.mesh, self._rows, self._rep
         kl = kind == "policy" and cfg.algo.kl_coef > 0
         uses_ref = kl and trainable is None  # LoRA: the reference is the frozen base
@@ -314,7 +314,7 @@ class Learner:
                 p, frozen = split_trainable(p, trainable)
                 extra = (frozen,)
         first = FIRST_MB_STATS if kind == "policy" else ()
-        return Update(
+        return UpdatePrograms(
             kind=kind,
             take=_jit(ROWS[kind].take, mesh, out_shardings=rows, static_argnames="width"),
             grads=_jit(grads, mesh, (p, rows, rep, *extra), (rep, p)),
@@ -376,7 +376,7 @@ class Learner:
                            grad_accum=o.grad_accum, unit=self.unit, cap=width,
                            shuffle=rows.shuffle, rows=None if every else rows.finished)
 
-    def _run(self, u: Update, params: Any, opt_state: Any, batch: TrainBatch,
+    def _run(self, u: UpdatePrograms, params: Any, opt_state: Any, batch: TrainBatch,
              targets: Targets, plan: list[Minibatch], extra: tuple[Any, ...]
              ) -> tuple[Any, Any, dict[str, jax.Array]]:
         frozen = None

@@ -16,14 +16,13 @@ Every parameter is an ``nnx.Param`` whose ``out_sharding`` metadata holds *logic
 from ``parallel.mesh.LOGICAL_RULES``; ``shard_model`` / ``create_model`` turn them into
 NamedShardings. Eager sharding is off so building a model never needs a mesh.
 
-Precision: params and activations use ``config.dtype``; RMSNorm statistics, RoPE, attention
-softmax and logits are float32.
+Precision: params and activations use ``config.dtype``; RMSNorm statistics, RoPE
+(``rope.py``), attention softmax and logits are float32.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +39,7 @@ from tppo_jax.kernels.attention import (
     under_project_mesh,
 )
 from tppo_jax.models.cache import DenseKVCache, KVCache
+from tppo_jax.models.rope import apply_rope, rope_inv_freq
 from tppo_jax.parallel.mesh import named_sharding
 
 # ModelConfig.remat_policy -> jax.checkpoint policy (None = save nothing but the inputs).
@@ -125,44 +125,6 @@ class ModelConfig:
         )
         base.update(overrides)
         return cls(**base)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """``[D/2]`` float32 inverse frequencies, with HF-style ``rope_scaling`` applied."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    sc = cfg.rope_scaling_dict
-    kind = None if sc is None else sc.get("rope_type", sc.get("type", "default"))
-    if kind in (None, "default"):
-        return inv
-    factor = float(sc["factor"])
-    if kind == "linear":
-        # Linear interpolation divides positions by `factor`; same as dividing frequencies.
-        return inv / factor
-    if kind == "llama3":
-        low = float(sc.get("low_freq_factor", 1.0))
-        high = float(sc.get("high_freq_factor", 4.0))
-        old_ctx = float(sc.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv
-        # Long wavelengths are interpolated by `factor`, short ones kept, the band between
-        # blended linearly in 1/wavelength (Llama 3.1 recipe).
-        scaled = jnp.where(wavelen > old_ctx / low, inv / factor, inv)
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-        return jnp.where(medium, blended, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates ``x [B, T, N, D]`` by ``positions [B, T]`` (HF rotate-half layout)."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],

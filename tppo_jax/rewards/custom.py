@@ -14,7 +14,8 @@ logs why and goes on, unless it fails on nearly every item of a batch (``STOP_FR
 then it stops in one line (``RewardFnError``).
 
 The module is found as Python finds a script's (installed, on ``PYTHONPATH``, or in the
-working directory); not the script that calls ``tppo_jax.fit``, which the workers never
+working directory: ``tppo_jax/plugins.py``, the one rule for every function a config names);
+not the script that calls ``tppo_jax.fit``, which the workers never
 import. ``check_reward_fn`` imports it and calls it once on a sample row in a child process
 before a run starts (``tppo config``, and ``tppo train`` before the warm-start), so a
 module that is missing, raises, or ends the process at import is one line up front.
@@ -22,7 +23,6 @@ module that is missing, raises, or ends the process at import is one line up fro
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import numbers
@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tppo_jax.config_checks import ConfigError
+from tppo_jax.plugins import load_plugin
 
 RewardFn = Callable[[str, str, dict], Any]
 
@@ -50,42 +51,11 @@ MIN_FAILED = 4
 CHECK_TIMEOUT_S = 300
 
 
-def _import(module: str, cwd: str | None = None) -> Any:
-    """``importlib.import_module``, with the working directory (``cwd``, default this
-    process's) as a last resort: where ``python script.py`` / ``python -m`` find a module
-    beside them; the ``tppo`` entry point does not put it on ``sys.path``."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        cwd = cwd or os.getcwd()
-        if e.name != module.partition(".")[0] or cwd in sys.path:
-            raise
-        sys.path.append(cwd)
-        return importlib.import_module(module)
-
-
 def load_reward_fn(path: str, cwd: str | None = None) -> RewardFn:
     """The callable ``package.module:function`` names (a module in ``cwd``, default the
-    working directory, too); ``ConfigError`` (one line) when it cannot be imported or is
-    not callable."""
-    module, sep, name = path.partition(":")
-    if not sep or not module or not name:
-        raise ConfigError(f"reward.fn: expected package.module:function, got {path!r}")
-    try:
-        fn = _import(module, cwd)
-        for part in name.split("."):
-            fn = getattr(fn, part)
-    except ModuleNotFoundError as e:
-        raise ConfigError(f"reward.fn: cannot import {path}: no module named {e.name!r} (from "
-                          f"{cwd or os.getcwd()}); put {module.replace('.', '/')}.py in the "
-                          f"working directory, install it, or add its folder to PYTHONPATH"
-                          ) from None
-    except Exception as e:  # noqa: BLE001 -- any import-time error is the user's to fix
-        why = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        raise ConfigError(f"reward.fn: cannot import {path}: {why}") from None
-    if not callable(fn):
-        raise ConfigError(f"reward.fn: {path} is not callable")
-    return fn
+    working directory, too: ``plugins.load_plugin``, the rule ``algo.advantage_baseline``
+    follows too); ``ConfigError`` (one line) when it cannot be imported or is not callable."""
+    return load_plugin("reward.fn", path, cwd)
 
 
 def _real(value: Any) -> bool:

@@ -1,4 +1,5 @@
-"""Outcome rewards: math-verify grading in a pool of worker processes that owns the deadline.
+"""Outcome rewards: math-verify grading (``grading.py``) in a pool of worker processes that
+owns the deadline.
 
 Why a hand-rolled pool instead of ``ProcessPoolExecutor``: math-verify's own timeout is
 ``signal.alarm`` (whole seconds, main thread only, and it cannot interrupt a long C call such as a
@@ -21,7 +22,6 @@ import logging
 import math
 import multiprocessing as mp
 import os
-import re
 import signal
 import time
 from collections import deque
@@ -33,184 +33,28 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tppo_jax.config_checks import ConfigError
-from tppo_jax.data.readers import last_boxed
-from tppo_jax.rewards.custom import (
-    MIN_FAILED,
-    STOP_FRACTION,
-    RewardFnError,
-    call_reward_fn,
-    load_reward_fn,
+from tppo_jax.data.answers import answer_problem, parse_gold
+from tppo_jax.rewards.custom import MIN_FAILED, STOP_FRACTION, RewardFnError, load_reward_fn
+from tppo_jax.rewards.grading import (
+    ANSWER_FORMATS,
+    DEFAULT_ANSWER_FORMATS,
+    REASONS,
+    answer_format_for,
+    extract_answer,
+    grade_item,
+    grade_one,
 )
 from tppo_jax.rewards.workers import start_worker
+
+# Re-exported: callers import one answer's grading from here with the pool.
+__all__ = ["ANSWER_FORMATS", "DEFAULT_ANSWER_FORMATS", "REASONS", "GradeResult", "MathGrader",
+           "answer_format_for", "answer_problem", "extract_answer", "grade_item", "grade_one",
+           "overlong_penalty", "parse_gold"]
 
 if TYPE_CHECKING:
     from tppo_jax.config import RewardConfig
 
 logger = logging.getLogger(__name__)
-
-REASONS = ("ok", "wrong", "no_answer", "timeout", "crash")
-
-
-# ------------------------------------------------------------------------ grading (any process)
-# A line that states the answer: "Answer: X" (DAPO's format), or "The (final) answer is X"
-# (GSM8K chain-of-thought's, lm-eval-harness's strict match; small instruct models write it).
-_ANSWER_LINE = re.compile(
-    r"^[ \t]*(?:Answer[ \t]*:|The[ \t]+(?:final[ \t]+)?answer[ \t]+is[ \t]*:?)[ \t]*(.+?)[ \t.]*$",
-    re.I | re.M)
-# A number as people write them: sign, thousands commas, decimals ("-1,234.5").
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-# Which answer text is graded:
-#   boxed                 the last \boxed{...}
-#   answer_line           the last `Answer: X` line (the DAPO-Math-17K prompt's format) or
-#                         `The answer is X` line (GSM8K chain of thought's)
-#   boxed_or_answer_line  boxed first, else the answer line
-#   last_number           boxed, else the answer line, else the last number in the text
-#                         (lenient, for GSM8K-style numeric answers)
-ANSWER_FORMATS = ("boxed", "answer_line", "boxed_or_answer_line", "last_number")
-# The default per data format: DAPO rows ask for the answer line; GSM8K-style numeric sets
-# also accept it (instruct models often write "Answer: 42" despite the boxed instruction);
-# MATH and the rest are boxed. A weak model that never formats can use last_number.
-DEFAULT_ANSWER_FORMATS = {"dapo": "answer_line", "gsm8k": "boxed_or_answer_line",
-                          "svamp": "boxed_or_answer_line", "asdiv": "boxed_or_answer_line"}
-
-
-def answer_format_for(data_format: str, answer_format: str = "auto") -> str:
-    """``answer_format``, or the data format's default when it is ``auto``."""
-    if answer_format == "auto":
-        return DEFAULT_ANSWER_FORMATS.get(data_format, "boxed")
-    if answer_format not in ANSWER_FORMATS:
-        raise ValueError(f"answer_format {answer_format!r} is not one of {ANSWER_FORMATS}")
-    return answer_format
-
-
-def _answer_line(completion: str) -> str | None:
-    lines = _ANSWER_LINE.findall(completion)
-    return lines[-1].strip("$ ") if lines else None
-
-
-def extract_answer(completion: str, *, accept_answer_line: bool = False,
-                   answer_format: str | None = None) -> str | None:
-    """The graded answer text per ``answer_format`` (see ``ANSWER_FORMATS``); without one,
-    the last ``\\boxed{...}``, and with ``accept_answer_line`` a final ``Answer: X`` line as
-    the fallback. None when the completion has no answer in that format."""
-    fmt = answer_format or ("boxed_or_answer_line" if accept_answer_line else "boxed")
-    if fmt not in ANSWER_FORMATS:
-        raise ValueError(f"answer_format {fmt!r} is not one of {ANSWER_FORMATS}")
-    content = None if fmt == "answer_line" else last_boxed(completion)
-    if content is None and fmt != "boxed":
-        content = _answer_line(completion)
-    if content is None and fmt == "last_number":
-        numbers = _NUMBER.findall(completion)
-        content = numbers[-1].replace(",", "") if numbers else None
-    return content if content and content.strip() else None
-
-
-def grade_one(
-    completion: str,
-    answer: str,
-    *,
-    require_boxed: bool = True,
-    accept_answer_line: bool = False,
-    answer_format: str | None = None,
-    mv_timeout_s: int | None = 1,
-) -> str:
-    """Grade one completion against a ground-truth answer; returns a reason from REASONS.
-
-    ``require_boxed``: only the last ``\\boxed{...}`` counts (the trained answer format), so an
-    unformatted answer is ``no_answer`` even if its number is right (``accept_answer_line``: see
-    :func:`extract_answer`, ``answer_format`` overrides both); False lets math-verify search
-    the whole text. ``mv_timeout_s`` feeds
-    math-verify's own SIGALRM timeouts -- a cheap first line of defence; None disables them
-    (required off the main thread).
-    """
-    from math_verify import parse, verify
-    from math_verify.errors import TimeoutException
-
-    if require_boxed:
-        content = extract_answer(completion, accept_answer_line=accept_answer_line,
-                                 answer_format=answer_format)
-        if content is None:
-            return "no_answer"
-        pred_text = f"\\boxed{{{content}}}"
-    else:
-        pred_text = completion
-    try:
-        gold = parse_gold(answer, mv_timeout_s)
-    except TimeoutException:
-        return "timeout"
-    if not gold:
-        raise ValueError(f"unparsable ground-truth answer {answer!r}")
-    try:
-        pred = parse(pred_text, parsing_timeout=mv_timeout_s, raise_on_error=True)
-    except TimeoutException:
-        return "timeout"
-    except Exception:  # noqa: BLE001 - any parse failure means the answer is unreadable
-        return "no_answer"
-    if not pred:
-        return "no_answer"
-    t0 = time.monotonic()
-    ok = verify(gold, pred, timeout_seconds=mv_timeout_s)
-    # verify() swallows its own timeout and returns False; recover the distinction by the clock.
-    if not ok and mv_timeout_s and time.monotonic() - t0 >= mv_timeout_s * 0.95:
-        return "timeout"
-    return "ok" if ok else "wrong"
-
-
-def parse_gold(answer: str, mv_timeout_s: int | None = 1) -> list[Any]:
-    """math-verify's reading of a ground-truth answer: as a boxed answer, else as it is
-    (the one parse grading compares samples against)."""
-    from math_verify import parse
-
-    gold = parse(f"\\boxed{{{answer}}}", parsing_timeout=mv_timeout_s)
-    return gold or parse(answer, parsing_timeout=mv_timeout_s)
-
-
-# A plain integer or decimal: always gradable, so loading skips parsing it.
-_PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-
-
-def answer_problem(answer: str) -> str | None:
-    """Why no sample could be graded right against ground truth ``answer`` (None: it can),
-    checked once per row when a dataset loads: math-verify reads no expression in it
-    (``$$``, ``\\text{}``, ``\\frac{1}{``, which match only as raw text), or it is not
-    a number (``nan``, ``1/0``)."""
-    import threading
-
-    import sympy
-    from math_verify.errors import TimeoutException
-
-    text = answer.strip()
-    if _PLAIN_NUMBER.fullmatch(text):
-        return None
-    if text.lower().lstrip("+-") == "nan":
-        return "not a number"
-    main = threading.current_thread() is threading.main_thread()  # SIGALRM timeouts
-    try:
-        gold = parse_gold(answer, 5 if main else None)
-    except TimeoutException:
-        return "math-verify timed out parsing it"
-    except Exception as e:  # noqa: BLE001 - any parse failure: the grader cannot use it
-        return f"math-verify cannot parse it ({type(e).__name__})"
-    exprs = [g for g in gold if not isinstance(g, str)]
-    if not exprs:
-        return "math-verify reads no math expression in it"
-    if any(g is sympy.nan or g is sympy.zoo for g in exprs):
-        return "not a number"
-    return None
-
-
-def _grade_item(grade_kw: dict[str, Any], fn: Any, correct_reward: float, completion: str,
-                answer: str, row: dict | None, max_abs: float = math.inf
-                ) -> tuple[str, float | None, str | None]:
-    """``(reason, reward or None: the reason's, note)`` of one item, by math-verify or by
-    the user's reward function ``fn``."""
-    if fn is None:
-        return grade_one(completion, answer, **grade_kw), None, None
-    row = row if row is not None else {"answer": answer}
-    return call_reward_fn(fn, str(row.get("question", "")), completion, row, correct_reward,
-                          max_abs)
-
 
 def _worker_main(conn: Connection, grade_kw: dict[str, Any], fn_path: str | None = None,
                  correct_reward: float = 1.0, max_abs: float = math.inf,
@@ -241,7 +85,7 @@ def _worker_main(conn: Connection, grade_kw: dict[str, Any], fn_path: str | None
             return
         idx, completion, answer, row = msg
         try:
-            out = _grade_item(grade_kw, fn, correct_reward, completion, answer, row, max_abs)
+            out = grade_item(grade_kw, fn, correct_reward, completion, answer, row, max_abs)
         except Exception:  # noqa: BLE001 - a grading bug scores 0, it must not kill the worker
             out = ("crash", None, None)
         try:
@@ -470,7 +314,7 @@ class MathGrader:
 
     def _grade_inline(self, i: int, completion: str, answer: str, row: dict | None) -> str:
         try:
-            reason, value, note = _grade_item(self.grade_kw, self._fn, self.reward_of["ok"],
+            reason, value, note = grade_item(self.grade_kw, self._fn, self.reward_of["ok"],
                                               completion, answer, row, self.max_abs)
         except Exception:  # noqa: BLE001
             logger.exception("grading failed")

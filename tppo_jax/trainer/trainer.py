@@ -47,6 +47,7 @@ from tppo_jax.learner import (
     LearnerConfig,
     TrainState,
 )
+from tppo_jax.learner.estimators import resolve_estimator
 from tppo_jax.learner.init import init_state
 from tppo_jax.parallel import multihost as mh
 from tppo_jax.parallel.mesh import decode_mesh, make_mesh, reshard
@@ -167,6 +168,7 @@ class Trainer:
 
     def _build(self, cfg: Config, run_dir: str | Path, resume: bool, progress: bool) -> None:
         validate(cfg, num_devices=jax.device_count(), num_processes=jax.process_count())
+        resolve_estimator(cfg.algo.advantage_baseline)  # a plugin: imported before the claim
         enable_compile_cache(cfg.train.compile_cache)
         self.cfg, self.start, self.eval_before = cfg, 0, None
         self.rd = rd = resolve_run_dir(run_dir, cfg.checkpoint.dir)
