@@ -19,6 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "tppo_jax"
 LAYERS: tuple[str, ...] = (
     # leaves: import nothing of the package
     "version", "backend_env", "compat", "buckets", "configs", "warmstarts",
+    "programs",  # the Program record of the program tables (jax only)
     # the config: its sections, their validation, plugin names (reward.fn, estimators), the loader
     "config_schema", "config_checks", "plugins", "config",
     "algo",  # pure jax
@@ -34,20 +35,10 @@ LAYERS: tuple[str, ...] = (
 )
 RANK = {unit: i for i, unit in enumerate(LAYERS)}
 
-# Known violations on main that other work removes (issue 61: `weights` moves model
-# construction and run-policy loading out of trainer/ and cli/, `programs` rewrites
-# compile.py, the research probes leave the package). Delete an entry when its import goes
-# (a stale entry fails below); delete the table when it is empty.
-KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset({
-    ("tppo_jax.compile", "trainer"),  # trainer.params: to weights/
-    ("tppo_jax.benchmarks.greedy_fragility", "cli"),  # cli.runs.load_run_policy
-    ("tppo_jax.benchmarks.greedy_margins", "cli"),
-    ("tppo_jax.benchmarks.lora_export", "cli"),  # and cli.main
-})
-KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset({
-    # value pretraining reads the Trainer's attributes (type-only import back)
-    frozenset({"tppo_jax.trainer.trainer", "tppo_jax.trainer.value_pretrain"}),
-})
+# Allowed exceptions to the order (none now): an entry here is a debt with a reason, and one
+# whose import is gone fails below.
+KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset()
+KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset()
 
 
 def _modules() -> dict[str, Path]:
