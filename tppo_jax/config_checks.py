@@ -111,6 +111,7 @@ RANGES: dict[str, Range] = {
     "rollout.window": POSITIVE, "rollout.temperature": TEMPERATURE,
     "rollout.top_p": Range(0, 1, lo_open=True), "rollout.top_k": NON_NEGATIVE,
     "rollout.page_size": Range(1, 4096), "rollout.num_pages": NON_NEGATIVE,
+    "rollout.page_chunk": POSITIVE, "rollout.page_reserve": Range(0, 1, hi_open=True),
     "algo.gamma": UNIT, "algo.lam_policy": UNIT, "algo.lam_critic": UNIT, "algo.lam_min": UNIT,
     "algo.alpha": POSITIVE, "algo.eps_low": Range(0, 1, lo_open=True, hi_open=True),
     "algo.eps_high": POSITIVE, "algo.dual_clip_c": Range(1, lo_open=True),

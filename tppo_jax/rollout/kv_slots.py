@@ -294,6 +294,70 @@ def preempt_rows(short: np.ndarray, gain: np.ndarray, candidates: np.ndarray,
     return out
 
 
+def _block_sum(x: np.ndarray, blocks: int) -> np.ndarray:
+    return np.asarray(x, np.int64).reshape(blocks, -1).sum(axis=1)
+
+
+def plan_chunk(free: np.ndarray, held: np.ndarray, private: np.ndarray, position: np.ndarray,
+               n: np.ndarray, running: np.ndarray, candidates: np.ndarray, rank: np.ndarray,
+               waiting: np.ndarray, age: np.ndarray, page_size: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The on-demand allocator's decision before each chunk of a window (pure numpy; the
+    scheduler runs it, ``tppo bench page-replay`` replays it).
+
+    The ``running [S]`` rows will write ``n [S]`` more tokens after their ``position [S]``
+    cached ones, taking the pages that crosses (``held [S]`` held now). A block whose ``free
+    [blocks]`` pages fall short, or that has nothing to run while a ``waiting [S]`` row
+    (preempted earlier, holding nothing) waits, preempts ``candidates`` (``preempt_rows``,
+    highest ``rank`` first; each gives back its ``private [S]`` pages, those no other slot
+    shares, and the growth it no longer needs) until it has the pages for its running rows
+    or for its oldest waiting row. With what is left the waiting rows come back, oldest (lowest
+    ``age``) first, while their block has the pages of their cache and their next chunk
+    (``readmit_rows``; they are re-prefilled). Returns ``(preempt [S], readmit [S])`` bool."""
+    blocks, s = len(free), held.shape[0]
+    per = s // blocks
+    want = -(-(np.asarray(position, np.int64) + n) // page_size)
+    grow = np.where(running & (n > 0), np.maximum(want - held, 0), 0)
+    short = _block_sum(grow, blocks) - free
+    back = np.flatnonzero(waiting)
+    back = back[np.argsort(np.asarray(age)[back], kind="stable")]
+    idle = _block_sum(running & (n > 0), blocks) == 0
+    for b in np.flatnonzero(idle):  # only preempted rows left to run: make room for the oldest
+        mine = back[back // per == b]
+        if len(mine):
+            short[b] = want[mine[0]] - free[b]
+    preempt = preempt_rows(short, private + grow, candidates & ~waiting, rank)
+    room = free - _block_sum(np.where(preempt, 0, grow), blocks) + _block_sum(
+        np.where(preempt, private, 0), blocks)
+    readmit = readmit_rows(back[~preempt[back]], room, per, want)
+    return preempt, readmit
+
+
+def private_pages(table: np.ndarray, refcount: np.ndarray, blocks: int) -> np.ndarray:
+    """``[S]`` pages each slot holds alone (refcount 1: freeing the slot returns them); table
+    ids are local to each of the ``blocks`` blocks of ``refcount``."""
+    s, n = table.shape[0], refcount.shape[0]
+    off = (np.arange(s) // (s // blocks)) * (n // blocks)
+    ids = np.where(table >= 0, table + off[:, None], 0)
+    return ((table >= 0) & (refcount[ids] == 1)).sum(axis=1).astype(np.int64)
+
+
+def host_page_view(cache: PagedKVCache) -> dict[str, np.ndarray]:
+    """This host's pages as the on-demand allocator reads them: ``held``, ``private`` and
+    ``cached`` (positions written) ``[S_host]``, ``free [blocks]`` (``host_blocks``)."""
+    blocks = host_blocks(cache)
+    if _split(cache) is None:
+        table, refcount = np.asarray(cache.pages.page_table), np.asarray(cache.pages.refcount)
+        cached = np.asarray(cache.pages.slot_len)
+    else:
+        table, refcount = (global_to_host(cache.pages.page_table),
+                           global_to_host(cache.pages.refcount))
+        cached = global_to_host(cache.pages.slot_len)
+    return {"held": (table >= 0).sum(axis=1).astype(np.int64),
+            "private": private_pages(table, refcount, blocks), "cached": cached,
+            "free": (refcount == 0).reshape(blocks, -1).sum(axis=1).astype(np.int64)}
+
+
 def admission_room(cache: Cache, live: np.ndarray, position: np.ndarray, window: int
                    ) -> np.ndarray:
     """Free pages left for fresh prompts in each of this host's page blocks (``[blocks]``,
