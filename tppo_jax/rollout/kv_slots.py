@@ -1,5 +1,5 @@
-"""Slot operations on a KV cache: the one owner of pool set-up, page budgets, prompt sharing,
-window reservation and freeing.
+"""Slot operations on a KV cache: the one owner of pool set-up, page budgets, prompt writing
+and sharing, window reservation, freeing, and the on-demand allocator's plan (``plan_chunk``).
 
 The engine calls these on whatever cache it decodes with. For a ``PagedKVCache`` they move
 pages (``rollout.pages`` holds the pure page-table arithmetic); for a ``DenseKVCache`` every
@@ -132,6 +132,29 @@ def free(cache: Cache, rows: Array) -> Cache:
     if sp is None:
         return cache.replace(pages=pg.free(cache.pages, rows))
     return cache.replace(pages=sp.run(pg.free, (sp.rows, sp.rows), sp.rows)(cache.pages, rows))
+
+
+def write_prefix(cache: Cache, k: Array, v: Array, length: Array, slot: Array, ok: Array
+                 ) -> Cache:
+    """A prefilled prompt's ``k, v [L, P, Hkv, D]`` (its first ``length`` positions) into
+    ``slot`` when ``ok`` (pages already reserved for a paged cache)."""
+    p = k.shape[1]
+    pos = jnp.arange(p, dtype=jnp.int32)[None]
+    valid = (pos < length) & ok
+    if is_paged(cache):
+        def write(kl, vl, pk, pv):
+            return pg.write_kv(kl, vl, cache.pages, slot[None], pos, pk[None], pv[None], valid)
+
+        k, v = jax.vmap(write)(cache.k, cache.v, k.astype(cache.k.dtype),
+                               v.astype(cache.v.dtype))
+        slot_len = cache.pages.slot_len.at[slot].set(jnp.where(ok, length, 0))
+        return cache.replace(pages=cache.pages.replace(slot_len=slot_len), k=k, v=v)
+    keep = valid[0][None, :, None, None]
+    k_row = jnp.where(keep, k.astype(cache.k.dtype), cache.k[:, slot, :p])
+    v_row = jnp.where(keep, v.astype(cache.v.dtype), cache.v[:, slot, :p])
+    return cache.replace(k=cache.k.at[:, slot, :p].set(k_row),
+                         v=cache.v.at[:, slot, :p].set(v_row),
+                         lengths=cache.lengths.at[slot].set(jnp.where(ok, length, 0)))
 
 
 def share_prompts(cache: PagedKVCache, src: Array, dst: Array

@@ -489,7 +489,7 @@ class TruncatedRolloutScheduler:
         while True:
             view = kv_slots.host_page_view(self.ds.cache)
             n = np.minimum(left, self.chunk)
-            holding = st.live & ~self.waiting
+            holding = st.live & ~self.waiting & ~finished
             running = holding & (left > 0)
             # Preempted first: rows done with this window under reprefill (re-prefilled at
             # the next one anyway), then rows of the current weights, then the rest of keep's.
