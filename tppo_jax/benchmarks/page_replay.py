@@ -6,19 +6,21 @@ admission (``kv_slots.admit_rows`` with ``kv_slots.window_room``, as ``Truncated
 ._admit`` calls them), the page table and pool (``rollout.pages``: ``kv_slots.reserve_pages``
 and ``pages.free`` on a real ``PageState``, one per page block, as each batch shard of a split
 pool runs them), continuations served before fresh prompts (``kv_slots.reserve_window``'s
-order), and for the on-demand allocator the preemption choice (``kv_slots.preempt_rows``).
+order), and for the on-demand allocator the plan before each chunk (``kv_slots.plan_chunk``,
+with the scheduler's candidates and ranks: ``_decode_on_demand``).
 
-Two allocators, side by side, for T-PPO (``l``) and PPO (``l = L``):
+Two allocators (``rollout.page_alloc``, docs/rollout.md), side by side, for T-PPO (``l``) and
+PPO (``l = L``):
 
-- ``window`` (what the engine runs): a prompt is admitted only if its block has pages for
-  prompt + ``l`` tokens after every live continuation's next window; each row reserves its
-  whole window up front; a row that cannot is stalled for the window, holding its pages.
-- ``demand``: pages taken as tokens are written, ``--chunk`` tokens at a time (the window
-  split into chunks with host allocation between them); a prompt is admitted while its block
-  has the pages of its prompt free beyond a reserve of ``--reserve`` of the block's pages;
-  when a block runs dry the youngest rows are preempted (pages freed, re-prefilled at a later
-  window start when the block has room, oldest first; a block with one still waiting admits
-  no fresh prompt).
+- ``window``: a prompt is admitted only if its block has pages for prompt + ``l`` tokens after
+  every live continuation's next window; each row reserves its whole window up front; a row
+  that cannot is stalled for the window, holding its pages.
+- ``demand`` (``on_demand``, the engine's default): pages taken as tokens are written,
+  ``--chunk`` tokens at a time (the config's ``page_chunk``); a prompt is admitted while its
+  block has the pages of its prompt free beyond ``--reserve`` (``page_reserve``) of the
+  block's pages; when a block runs dry rows are preempted (pages freed) and re-prefilled,
+  oldest first, in the same window when the block has room (a block with one still waiting
+  admits no fresh prompt).
 
 A window lasts as long as its busiest row (the decode loop stops when every row is done);
 occupancy is response tokens decoded over slots x decode steps. ``steady``: windows whose
