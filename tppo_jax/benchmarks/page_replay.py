@@ -335,8 +335,8 @@ def run(args: argparse.Namespace) -> dict:
 
     pool, rc = config_pool(args.config)
     L, window = rc["L"], rc["window"]
-    args.chunk = rc["chunk"] if args.chunk is None else args.chunk
-    args.reserve = rc["reserve"] if args.reserve is None else args.reserve
+    chunk = rc["chunk"] if args.chunk is None else args.chunk
+    reserve = rc["reserve"] if args.reserve is None else args.reserve
     lengths = lognormal_lengths(pool.slots * args.batches, args.median, args.sigma, L,
                                 seed=args.seed)
     full = pool.slots * pool.max_pages
@@ -347,7 +347,8 @@ def run(args: argparse.Namespace) -> dict:
                  "assumption": ASSUMED.format(median=args.median, sigma=args.sigma, L=L,
                                               prompt=args.prompt_len),
                  "pool": {**pool.__dict__, "full_reservation_pages": full, "pools": pools},
-                 "window": window, "L": L, "chunk": args.chunk, "reserve": args.reserve,
+                 "window": window, "L": L, "chunk": chunk, "reserve": reserve,
+                 "kv_policy": rc["kv_policy"],
                  "samples": len(lengths), "runs": {}}
     path = Path(args.out) / "page_replay.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -363,8 +364,8 @@ def run(args: argparse.Namespace) -> dict:
                 key = f"{method}/{alloc}/{name}"
                 t0 = time.time()
                 res = simulate(lengths, Pool(**{**pool.__dict__, "num_pages": n}), window=w,
-                               L=L, prompt=args.prompt_len, alloc=alloc, chunk=args.chunk,
-                               reserve=args.reserve, kv_policy=rc["kv_policy"])
+                               L=L, prompt=args.prompt_len, alloc=alloc, chunk=chunk,
+                               reserve=reserve, kv_policy=rc["kv_policy"])
                 res["seconds"] = time.time() - t0
                 out["runs"][key] = res
                 st = res["steady"]
