@@ -265,7 +265,7 @@ def _demand_window(blocks: Blocks, rows: Rows, t: Totals, budget: np.ndarray, ne
         n = np.minimum(left, chunk)
         holding = rows.live & ~rows.preempted & ~rows.done
         running = holding & (left > 0)
-        tier = np.where(reprefill & ~running, 2, np.where(current & (running | reprefill), 1, 0))
+        tier = np.where(~running, 2, np.where(current, 1, 0))
         preempt, readmit = kv_slots.plan_chunk(
             blocks.free_pages, blocks.held, blocks.held, rows.position, n, running, holding,
             (tier << 40) + rows.age, rows.preempted & (left > 0), rows.age, ps)

@@ -330,30 +330,27 @@ def plan_chunk(free: np.ndarray, held: np.ndarray, private: np.ndarray, position
 
     The ``running [S]`` rows will write ``n [S]`` more tokens after their ``position [S]``
     cached ones, taking the pages that crosses (``held [S]`` held now). A block whose ``free
-    [blocks]`` pages fall short, or that has nothing to run while a ``waiting [S]`` row
-    (preempted earlier, holding nothing) waits, preempts ``candidates`` (``preempt_rows``,
-    highest ``rank`` first; each gives back its ``private [S]`` pages, those no other slot
-    shares, and the growth it no longer needs) until it has the pages for its running rows
-    or for its oldest waiting row. With what is left the waiting rows come back, oldest (lowest
-    ``age``) first, while their block has the pages of their cache and their next chunk
-    (``readmit_rows``; they are re-prefilled). Returns ``(preempt [S], readmit [S])`` bool."""
+    [blocks]`` pages fall short preempts ``candidates`` (``preempt_rows``, highest ``rank``
+    first; each gives back its ``private [S]`` pages, those no other slot shares, and the
+    growth it no longer needs). Then the ``waiting [S]`` rows (preempted earlier, holding
+    nothing) take their turn: candidates with nothing to write in this chunk (done with the
+    window) give way to them, and they come back oldest (lowest ``age``) first while their
+    block has the pages of their cache and their next chunk (``readmit_rows``; they are
+    re-prefilled). Returns ``(preempt [S], readmit [S])`` bool."""
     blocks, s = len(free), held.shape[0]
-    per = s // blocks
     want = -(-(np.asarray(position, np.int64) + n) // page_size)
-    grow = np.where(running & (n > 0), np.maximum(want - held, 0), 0)
-    short = _block_sum(grow, blocks) - free
-    back = np.flatnonzero(waiting)
-    back = back[np.argsort(np.asarray(age)[back], kind="stable")]
-    idle = _block_sum(running & (n > 0), blocks) == 0
-    for b in np.flatnonzero(idle):  # only preempted rows left to run: make room for the oldest
-        mine = back[back // per == b]
-        if len(mine):
-            short[b] = want[mine[0]] - free[b]
-    preempt = preempt_rows(short, private + grow, candidates & ~waiting, rank)
+    active = running & (n > 0)
+    grow = np.where(active, np.maximum(want - held, 0), 0)
+    candidates = candidates & ~waiting
+    preempt = preempt_rows(_block_sum(grow, blocks) - free, private + grow, candidates, rank)
     room = free - _block_sum(np.where(preempt, 0, grow), blocks) + _block_sum(
         np.where(preempt, private, 0), blocks)
-    readmit = readmit_rows(back[~preempt[back]], room, per, want)
-    return preempt, readmit
+    short = _block_sum(np.where(waiting, want, 0), blocks) - room
+    idle = preempt_rows(short, private, candidates & ~active & ~preempt, rank)
+    room += _block_sum(np.where(idle, private, 0), blocks)
+    back = np.flatnonzero(waiting)
+    back = back[np.argsort(np.asarray(age)[back], kind="stable")]
+    return preempt | idle, readmit_rows(back, room, s // blocks, want)
 
 
 def private_pages(table: np.ndarray, refcount: np.ndarray, blocks: int) -> np.ndarray:

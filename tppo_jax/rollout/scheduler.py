@@ -416,14 +416,16 @@ class TruncatedRolloutScheduler:
         """Pages taken as tokens are written: the window in chunks of ``page_chunk`` tokens,
         the pages each chunk crosses allocated before it (``kv_slots.plan_chunk``). A block
         that runs dry preempts its youngest rows whose whole cache the current weights
-        computed (fresh prompts, rows re-prefilled this window; with ``reprefill`` every row,
-        those done with this window first): their pages are freed and they are re-prefilled,
-        oldest first, when the block has room again, in this window and under these weights,
-        so their tokens and log-probs are the ones they would have had (sampling is keyed by
-        sequence and position, not by loop step). Only when no such row is left does it take
-        a row of an older ``keep`` cache: re-prefilled, that row continues from a cache of the
-        current weights, as ``reprefill`` gives every row (the one way in which ``keep``'s
-        samples depend on the pool). Returns ``(finished, decode steps)``."""
+        computed (fresh prompts, rows re-prefilled this window; with ``reprefill`` every
+        row): their pages are freed and they are re-prefilled, oldest first, when the block
+        has room again, in this window and under these weights, so their tokens and log-probs
+        are the ones they would have had (sampling is keyed by sequence and position, not by
+        loop step). Rows done with this window give way first, to the running rows and to
+        the preempted ones (they are idle until the next window, re-prefilled at its start);
+        with ``keep``, such a row, or a running one of an older cache when nothing else is
+        left, continues from a cache of the current weights, as ``reprefill`` gives every row
+        (the one way in which ``keep``'s samples depend on the pool). Returns ``(finished,
+        decode steps)``."""
         st, left = self.state, budget.astype(np.int64)
         finished, steps = np.zeros(self.B, bool), 0
         reprefill = self.kv_policy == "reprefill"
@@ -433,10 +435,10 @@ class TruncatedRolloutScheduler:
             n = np.minimum(left, self.chunk)
             holding = st.live & ~self.waiting & ~finished
             running = holding & (left > 0)
-            # Preempted first: rows done with this window under reprefill (re-prefilled at
-            # the next one anyway), then rows of the current weights, then the rest of keep's.
-            exact = current & (running | reprefill)
-            tier = np.where(reprefill & ~running, 2, np.where(exact, 1, 0))
+            # Preempted first: rows done with this window (idle until the next one; with
+            # reprefill re-prefilled then anyway), then rows of the current weights, then
+            # the rest of keep's.
+            tier = np.where(~running, 2, np.where(current, 1, 0))
             age = st.seq_id.astype(np.int64)
             preempt, readmit = kv_slots.plan_chunk(
                 view["free"], view["held"], view["private"], st.total_len - 1, n, running,
