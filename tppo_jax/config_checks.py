@@ -115,6 +115,7 @@ RANGES: dict[str, Range] = {
     "rollout.window": POSITIVE, "rollout.temperature": TEMPERATURE,
     "rollout.top_p": Range(0, 1, lo_open=True), "rollout.top_k": NON_NEGATIVE,
     "rollout.page_size": Range(1, 4096), "rollout.num_pages": NON_NEGATIVE,
+    "rollout.page_chunk": POSITIVE, "rollout.page_reserve": Range(0, 1, hi_open=True),
     "algo.gamma": UNIT, "algo.lam_policy": UNIT, "algo.lam_critic": UNIT, "algo.lam_min": UNIT,
     "algo.alpha": POSITIVE, "algo.eps_low": Range(0, 1, lo_open=True, hi_open=True),
     "algo.eps_high": POSITIVE, "algo.dual_clip_c": Range(1, lo_open=True),
@@ -293,6 +294,7 @@ def _check_rollout_and_algo(cfg: Config) -> None:
                 f"rollout.page_size {r.page_size}"
                 f"{' (rollout.kv_cache=auto is paged on TPU and GPU)' * (r.kv_cache == 'auto')}"
                 f"; raise it (0 = enough for every slot)")
+        _check_full_row(r, r.num_pages, "")
     cells = r.slots * (r.max_prompt_len + r.max_response_len)
     if cells > MAX_TOKEN_CELLS:
         raise ConfigError(
@@ -410,3 +412,15 @@ def _check_layout(cfg: Config, num_devices: int | None, num_processes: int) -> N
             raise ConfigError(f"rollout.num_pages ({r.num_pages}) over {shards} decode batch "
                               f"shards leaves {r.num_pages // shards} pages per shard; one "
                               f"prompt and its first window need {need}")
+        _check_full_row(r, r.num_pages // shards, f" per decode batch shard (of {shards})")
+
+
+def _check_full_row(r: Any, pages: int, where: str) -> None:
+    """On demand a row keeps its pages across windows and a dry block preempts the others
+    for it: a block must hold one row at full length, or that row never finishes."""
+    need = -(-(r.max_prompt_len - 1 + r.max_response_len) // r.page_size)
+    if r.page_alloc == "on_demand" and pages < need:
+        raise ConfigError(f"rollout.num_pages leaves {pages} pages{where}; with "
+                          f"rollout.page_alloc=on_demand one row at full length "
+                          f"(max_prompt_len - 1 + max_response_len) needs {need}: raise it, "
+                          f"or set rollout.page_alloc=window")

@@ -67,6 +67,12 @@ class RolloutConfig:
     kv_cache: Literal["auto", "dense", "paged"] = "auto"
     page_size: int = 16
     num_pages: int = 0  # 0 = enough for every slot at full length
+    # paged: pages taken as tokens are written, page_chunk tokens at a time, the youngest rows
+    # preempted (re-prefilled) when a block runs dry (on_demand); or a whole window reserved
+    # ahead (window). Admission leaves page_reserve of each block's pages free.
+    page_alloc: Literal["on_demand", "window"] = "on_demand"
+    page_chunk: int = 256
+    page_reserve: float = 0.02
 
     @property
     def slots(self) -> int:

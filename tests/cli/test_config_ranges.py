@@ -201,10 +201,17 @@ def test_a_paged_pool_too_small_for_one_prompt_is_refused() -> None:
     msg = str(e.value)
     assert "rollout.num_pages (1) cannot hold one prompt" in msg and "\n" not in msg
     assert "need 5 pages" in msg
-    load_config(None, [*base, "rollout.num_pages=5"])  # 63 + 16 tokens: 5 pages
+    window = [*base, "rollout.page_alloc=window"]
+    load_config(None, [*window, "rollout.num_pages=5"])  # 63 + 16 tokens: 5 pages
     load_config(None, [*base, "rollout.num_pages=0"])  # 0: sized for every slot
     with pytest.raises(ConfigError, match="value_pretrain_steps"):  # a full-length window
-        load_config(None, [*base, "rollout.num_pages=5", "algo.value_pretrain_steps=2"])
+        load_config(None, [*window, "rollout.num_pages=5", "algo.value_pretrain_steps=2"])
+    # On demand a row keeps its pages to the end: one row at full length, 63 + 128 tokens.
+    with pytest.raises(ConfigError, match=r"leaves 11 pages; .*on_demand one row at full "
+                                          r"length \(max_prompt_len - 1 \+ max_response_len\) "
+                                          r"needs 12"):
+        load_config(None, [*base, "rollout.num_pages=11"])
+    load_config(None, [*base, "rollout.num_pages=12"])
 
 
 @pytest.mark.parametrize("value", ["3", "[a, b]", "{x: y}", "true"])

@@ -148,12 +148,16 @@ def test_generate_window_matches_and_stops_early(engine, model, reference, eos):
     assert engine.pages_in_use(ds) == 0
 
 
-def test_insert_group_shares_prompt_pages(engine, reference, eos):
+def test_shared_prompt_pages(engine, reference, eos):
     params = engine.load_params()
     ds = engine.init_decode_state()
     prefix = _prefix(engine, params, PROMPTS[1])  # 10 cached tokens: 2 full pages + tail
-    ds, ok = engine.insert_group(prefix, ds, [0, 2, 3])
-    assert ok.all()
+    ds = engine.insert(prefix, ds, 0)  # G = 3 samples: slot 0's prompt shared by 2 and 3
+    dst, ids = np.isin(np.arange(engine.max_slots), [2, 3]), np.zeros(engine.max_slots, np.uint32)
+    ids[dst] = engine.new_seq_ids(2)
+    ds, ok = engine.share_prompts(ds, jnp.arange(engine.max_slots) == 0, jnp.asarray(dst),
+                                  jnp.asarray(ids))
+    assert np.asarray(ok).all()
     assert engine.pages_in_use(ds) == 2 + 3  # shared full pages once, a tail page each
     ds, out = engine.generate_window(ds, params, 6)
     want = _expected(reference, eos)[1][0][:6]

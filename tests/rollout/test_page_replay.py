@@ -57,3 +57,23 @@ def test_replay_decodes_every_sample_once_and_returns_every_page():
         r = simulate(lengths, big, window=64, L=192, prompt=16, alloc=a, chunk=16)
         assert r["total"]["finished"] == len(lengths) and r["total"]["preempted"] == 0
         assert r["total"]["useful_tokens"] == int(lengths.sum()) and not r["deadlocked"]
+
+
+def test_plan_chunk_by_hand():
+    # One block of 4 slots, pages of 4 tokens, 1 page free. Rows 0-2 write 4 more tokens:
+    # each crosses into a new page (3 pages, short 2); the youngest, row 2, gives back its page
+    # and the one it would have taken. Row 3 (waiting, 4 cached) has no room to come back.
+    age = np.arange(4)
+    args = dict(free=np.array([1]), held=np.array([2, 2, 1, 0]), private=np.array([2, 2, 1, 0]),
+                position=np.array([8, 8, 3, 4]), candidates=np.array([True, True, True, False]),
+                rank=age, waiting=np.array([False, False, False, True]), age=age, page_size=4)
+    run = np.array([True, True, True, False])
+    preempt, readmit = kv_slots.plan_chunk(n=np.array([4, 4, 4, 4]), running=run, **args)
+    np.testing.assert_array_equal(preempt, [False, False, True, False])
+    assert not readmit.any()
+    # Nothing left to run but the waiting row: the youngest row done with its window makes
+    # room (2 pages for 4 cached + 4 more, 1 free), and the waiting row comes back.
+    preempt, readmit = kv_slots.plan_chunk(n=np.array([0, 0, 0, 4]), running=~run & run,
+                                           **args)
+    np.testing.assert_array_equal(preempt, [False, False, True, False])
+    np.testing.assert_array_equal(readmit, [False, False, False, True])

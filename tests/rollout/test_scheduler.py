@@ -15,14 +15,16 @@ from tppo_jax.rollout.scheduler import TruncatedRolloutScheduler
 EOS = 1
 
 
-def _scheduler(window, L=24, slots=6, group=2, kv="keep", seed=0, cache="dense", pages=0):
+def _scheduler(window, L=24, slots=6, group=2, kv="keep", seed=0, cache="dense", pages=0,
+               alloc="on_demand", chunk=256):
     task = SyntheticMathTask(seed=0)
     examples = itertools.cycle(task.sample(50))
     model = create_model(ModelConfig.tiny(vocab_size=48), seed=seed)
     encode = lambda e: [2 + (ord(c) % 40) for c in e.question][:12]  # noqa: E731
     rollout = RolloutConfig(prompts_per_step=slots // group, group_size=group, max_prompt_len=12,
                             max_response_len=L, window=window, kv_policy=kv, kv_cache=cache,
-                            page_size=4, num_pages=pages)
+                            page_size=4, num_pages=pages, page_alloc=alloc, page_chunk=chunk,
+                            page_reserve=0.0)
     return TruncatedRolloutScheduler(model, examples, encode, rollout, eos_ids=(EOS,),
                                      sampling=SamplingParams(), seed=seed)
 
@@ -132,8 +134,8 @@ def test_paged_equals_dense_and_short_pool_admits_fewer():
     # The G=2 samples of a prompt admitted together prefilled it once and share its pages.
     assert paged.stats["shared_prefills"] > 0
 
-    # 6 slots x (12 + 24) tokens would need 54 pages of 4; give it 20.
-    short = _scheduler(window=8, cache="paged", pages=20)
+    # 6 slots x (12 + 24) tokens would need 54 pages of 4; give it 20 (whole windows).
+    short = _scheduler(window=8, cache="paged", pages=20, alloc="window")
     idle_seen = deferred = 0
     for _ in range(5):
         rb = short.step()
@@ -154,25 +156,27 @@ def test_paged_equals_dense_and_short_pool_admits_fewer():
     assert idle_seen > 0 and deferred == short.stats["admissions_deferred"] > 0
 
 
-@pytest.mark.parametrize("cache", ["dense", "paged"])
-@pytest.mark.slow  # ~20 s in one process on 2 shared cores
-def test_restored_scheduler_continues_exactly(cache):
+@pytest.mark.parametrize("cache,pages", [("dense", 0), ("paged", 16)])
+@pytest.mark.slow  # ~20 s in one process on 2 shared cores (~3x that at load 15)
+def test_restored_scheduler_continues_exactly(cache, pages):
     """checkpoint_items() + host_state() into a fresh scheduler's restore() (what a
     checkpoint holds): the next windows, in-flight continuations included, are exactly the
-    uninterrupted ones."""
+    uninterrupted ones; with a short pool, rows preempted when it was saved included."""
     import copy
 
-    a = _scheduler(window=8, cache=cache)
-    b = _scheduler(window=8, cache=cache)
+    make = lambda: _scheduler(window=8, cache=cache, pages=pages, chunk=4)  # noqa: E731
+    a, b = make(), make()
     for _ in range(2):
         for s in (a, b):
             s.release_finished(s.step().finished)
     saved, trees = copy.deepcopy(b.host_state()), b.checkpoint_items()
     assert set(trees) == {"slots", "kv_cache"}
-    c = _scheduler(window=8, cache=cache)
+    c = make()
     c.prompts = b.prompts  # the data iterator is checkpointed by the trainer, not here
     c.restore(trees, saved)
     assert (c.state.live & (c.state.windows_done > 0)).any()  # continuations in flight
+    np.testing.assert_array_equal(c.waiting, b.waiting)
+    assert b.waiting.any() == bool(pages)  # a short pool saved preempted rows
     for _ in range(3):
         ra, rc = a.step(), c.step()
         np.testing.assert_array_equal(ra.tokens, rc.tokens)
@@ -268,16 +272,50 @@ def test_engine_finishes_a_sequence_at_max_new_tokens():
     assert ids.dtype == np.uint32 and ids.tolist() == [0, 1, 2] and eng.next_seq == 3
 
 
-def test_a_pool_that_admits_nothing_stops_the_run_in_one_line():
+@pytest.mark.parametrize("alloc,need", [("window", 5), ("on_demand", 3)])
+def test_a_pool_that_admits_nothing_stops_the_run_in_one_line(alloc, need):
     """Issue 49 M4: a paged pool with no room for one prompt and its window deferred every
-    admission forever: steps of 0 tokens, no error."""
+    admission forever: steps of 0 tokens, no error. (A 12-token prompt and a window of 8
+    need 5 pages of 4; on demand, the prompt and its first token 3.)"""
     from tppo_jax.config import ConfigError
     from tppo_jax.rollout.scheduler import MAX_IDLE_STEPS
 
-    s = _scheduler(window=8, cache="paged", pages=2)  # a 12-token prompt + 8 need 5 pages
+    s = _scheduler(window=8, cache="paged", pages=2, alloc=alloc)
     with pytest.raises(ConfigError) as e:
         for _ in range(MAX_IDLE_STEPS):
             s.step()
     msg = str(e.value)
     assert "\n" not in msg and f"admitted no prompt for {MAX_IDLE_STEPS} steps" in msg
-    assert "raise rollout.num_pages" in msg and "(5 pages)" in msg
+    assert "raise rollout.num_pages" in msg and f"({need} pages)" in msg
+
+
+def _finished_samples(s, steps):
+    """``{seq_id: (response tokens, their log-probs, window index)}`` of the rows that
+    finished in ``steps`` steps."""
+    out = {}
+    for _ in range(steps):
+        rb = s.step()
+        for r in np.flatnonzero(rb.finished):
+            sl = slice(rb.prompt_len[r], rb.total_len[r])
+            out[int(s.state.seq_id[r])] = (rb.tokens[r, sl], rb.sample_logprobs[r, sl],
+                                           int(rb.window_index[r]))
+        s.release_finished(rb.finished)
+    return out
+
+
+@pytest.mark.slow  # 32 s in one process at load 15 on 2 cores (~10 s unloaded)
+def test_preempted_rows_sample_what_a_large_pool_samples():
+    """Pages on demand (chunks of 4 tokens): a pool of 20 pages for 6 slots that grow to 9
+    pages each preempts rows and re-prefills them in the same window; every sample, its
+    log-probs and its windows are those of a pool with room for every slot. (The tokens the
+    re-prefilled cache then samples are keyed by sequence and position, not loop step.)"""
+    big = _scheduler(window=8, kv="reprefill", cache="paged", chunk=4)
+    small = _scheduler(window=8, kv="reprefill", cache="paged", pages=20, chunk=4)
+    a, b = _finished_samples(big, 5), _finished_samples(small, 5)
+    assert small.stats["preempted"] > 0 and small.stats["reprefill_tokens"] > 0
+    assert small.stats.get("stalled", 0) == 0
+    assert len(b) >= 6 and set(b) <= set(a)
+    for k, (toks, lps, window) in b.items():
+        np.testing.assert_array_equal(toks, a[k][0])
+        np.testing.assert_allclose(lps, a[k][1], atol=1e-5)
+        assert window == a[k][2]

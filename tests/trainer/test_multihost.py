@@ -103,6 +103,9 @@ def _check_blocks(pages: dict, blocks: int) -> None:
 def test_two_processes_train_and_agree(tmp_path, kv_cache):
     run = tmp_path / "runs" / "mh"
     kv = [f"rollout.kv_cache={kv_cache}"]
+    if kv_cache == "paged":  # 7 pages per block of 2 slots (one row at full length): rows
+        # are preempted and re-prefilled, resumed with rows preempted when saved
+        kv += ["rollout.max_prompt_len=48", "rollout.num_pages=28", "rollout.page_chunk=8"]
     outs = _run_two(run, ["train.steps=2", *kv], tmp_path)
     d0, d1 = _digest(outs[0]), _digest(outs[1])
     assert d0 == d1, (d0, d1)
@@ -119,7 +122,8 @@ def test_two_processes_train_and_agree(tmp_path, kv_cache):
     assert all(r["sched_decode_slot_steps"] > 0 for r in rows)
     assert rows[0]["sched_admitted"] == 8 or kv_cache == "paged"
     if kv_cache == "paged":
-        assert all(0 < r["sched_pages_in_use"] <= r["sched_pages_total"] for r in rows)
+        assert all(0 < r["sched_pages_in_use"] <= r["sched_pages_total"] == 28 for r in rows)
+        assert sum(r["sched_preempted"] for r in rows) > 0
     meta = json.loads((run / "checkpoints" / "2" / "meta" / "metadata").read_text())
     assert meta["num_processes"] == 2 and len(meta["hosts"]) == 2
     # Each host reads its own shard of the prompts: no question is in both hosts' slots.

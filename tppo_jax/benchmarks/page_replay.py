@@ -6,19 +6,21 @@ admission (``kv_slots.admit_rows`` with ``kv_slots.window_room``, as ``Truncated
 ._admit`` calls them), the page table and pool (``rollout.pages``: ``kv_slots.reserve_pages``
 and ``pages.free`` on a real ``PageState``, one per page block, as each batch shard of a split
 pool runs them), continuations served before fresh prompts (``kv_slots.reserve_window``'s
-order), and for the on-demand allocator the preemption choice (``kv_slots.preempt_rows``).
+order), and for the on-demand allocator the plan before each chunk (``kv_slots.plan_chunk``,
+with the scheduler's candidates and ranks: ``_decode_on_demand``).
 
-Two allocators, side by side, for T-PPO (``l``) and PPO (``l = L``):
+Two allocators (``rollout.page_alloc``, docs/rollout.md), side by side, for T-PPO (``l``) and
+PPO (``l = L``):
 
-- ``window`` (what the engine runs): a prompt is admitted only if its block has pages for
-  prompt + ``l`` tokens after every live continuation's next window; each row reserves its
-  whole window up front; a row that cannot is stalled for the window, holding its pages.
-- ``demand``: pages taken as tokens are written, ``--chunk`` tokens at a time (the window
-  split into chunks with host allocation between them); a prompt is admitted while its block
-  has the pages of its prompt free beyond a reserve of ``--reserve`` of the block's pages;
-  when a block runs dry the youngest rows are preempted (pages freed, re-prefilled at a later
-  window start when the block has room, oldest first; a block with one still waiting admits
-  no fresh prompt).
+- ``window``: a prompt is admitted only if its block has pages for prompt + ``l`` tokens after
+  every live continuation's next window; each row reserves its whole window up front; a row
+  that cannot is stalled for the window, holding its pages.
+- ``demand`` (``on_demand``, the engine's default): pages taken as tokens are written,
+  ``--chunk`` tokens at a time (the config's ``page_chunk``); a prompt is admitted while its
+  block has the pages of its prompt free beyond ``--reserve`` (``page_reserve``) of the
+  block's pages; when a block runs dry rows are preempted (pages freed) and re-prefilled,
+  oldest first, in the same window when the block has room (a block with one still waiting
+  admits no fresh prompt).
 
 A window lasts as long as its busiest row (the decode loop stops when every row is done);
 occupancy is response tokens decoded over slots x decode steps. ``steady``: windows whose
@@ -163,7 +165,8 @@ def cached(rows: Rows) -> np.ndarray:
 
 
 def simulate(lengths: np.ndarray, pool: Pool, *, window: int, L: int, prompt: int,
-             alloc: str, chunk: int = 256, reserve: float = 0.0) -> dict:
+             alloc: str, chunk: int = 256, reserve: float = 0.0, kv_policy: str = "keep"
+             ) -> dict:
     """Replays ``lengths`` (response tokens per sample, queue order) through the scheduler's
     page rules (``alloc``: ``window`` or ``demand``). Returns steady / total counts."""
     ps, per, s = pool.page_size, pool.per_block, pool.slots
@@ -179,26 +182,14 @@ def simulate(lengths: np.ndarray, pool: Pool, *, window: int, L: int, prompt: in
         t.windows += 1
         new = np.zeros(s, bool)
         free = blocks.free_pages
-        # --------------------------------------------------------------- admission
+        # ------------------------------------- admission (``TruncatedRolloutScheduler._admit``)
         if alloc == "demand":
             room = free - reserve_pages
-            back = np.flatnonzero(rows.preempted)
-            back = back[np.argsort(rows.age[back], kind="stable")]
-            redo = kv_slots.readmit_rows(back, room, per, -(-rows.position // ps))
-            if redo.any():
-                ok = blocks.reserve(redo, rows.position)
-                assert ok.all(), "re-prefill within the admission budget failed"
-                rows.preempted &= ~redo
-                t.reprefill_tokens += int(rows.position[redo].sum())
-                room = room - np.bincount(np.flatnonzero(redo) // per, weights=blocks.held[
-                    redo], minlength=pool.blocks).astype(np.int64)
-            # a block with a preempted row still waiting takes no fresh prompt (work in flight
-            # first; else fresh prompts could starve it for ever)
             room[np.unique(np.flatnonzero(rows.preempted) // per)] = -1
             need = kv_slots.pages_for(prompt, ps)  # the prompt's cache and its first token
         else:
             room = kv_slots.window_room(free, blocks.held, rows.live, rows.position, window, ps)
-            need = kv_slots.pages_for(prompt - 1 + window, ps)  # the scheduler's rule
+            need = kv_slots.pages_for(prompt - 1 + window, ps)
         # (past the queue's end a request never fits: the replay admits nothing more)
         free_rows = np.flatnonzero(~rows.live)
         got, deferred = kv_slots.admit_rows(
@@ -214,45 +205,13 @@ def simulate(lengths: np.ndarray, pool: Pool, *, window: int, L: int, prompt: in
             ok = blocks.reserve(new, rows.position)  # the prefill
             assert ok.all(), "prefill within the admission budget failed"
         # --------------------------------------------------------------- the window
-        budget = np.where(rows.live & ~rows.preempted, np.minimum(window, L - rows.generated), 0)
-        step = chunk if alloc == "demand" else window
-        w_steps = w_tokens = 0
-        while (budget > 0).any():
-            n = np.minimum(budget, step)
-            want = n > 0
-            upto = rows.position + n
-            if alloc == "demand":
-                held = blocks.held
-                grow = np.where(want, np.maximum(-(-upto // ps) - held, 0), 0)
-                short = np.bincount(np.arange(s) // per, weights=grow,
-                                    minlength=pool.blocks).astype(np.int64) - blocks.free_pages
-                if (short > 0).any():
-                    out = kv_slots.preempt_rows(short, held + grow, rows.live & ~rows.preempted
-                                                & ~rows.done, rows.age)
-                    rows.preempted |= out
-                    blocks.free(out, cached(rows))
-                    budget[out], want[out] = 0, False
-                    t.preempted += int(out.sum())
-            ok = blocks.reserve(want & ~new, upto, want & new)
-            run = want & ok
-            t.stalled += int((want & ~ok).sum())
-            if not run.any():
-                break
-            count = np.where(run, np.minimum(n, rows.left), 0)
-            k = int(count.max())
-            t.decode_steps += k
-            t.useful_tokens += int(count.sum())
-            w_steps, w_tokens = w_steps + k, w_tokens + int(count.sum())
-            rows.position += count
-            rows.generated += count
-            rows.left -= count
-            budget = np.where(run, budget - n, np.where(alloc == "demand", budget, 0))
-            fin = run & ((rows.left == 0) | (rows.generated >= L))
-            budget[fin] = 0
-            t.page_steps += k * int(pool.num_pages - blocks.free_pages.sum())
-            rows.done |= fin  # the engine frees a finished row's pages in the window
-            blocks.free(fin, cached(rows))
-            t.finished += int(fin.sum())
+        budget = np.where(rows.live, np.minimum(window, L - rows.generated), 0)
+        if alloc == "demand":
+            w_steps, w_tokens = _demand_window(blocks, rows, t, budget, new, chunk, L,
+                                               kv_policy == "reprefill")
+        else:
+            w_steps, count = _chunk(blocks, rows, t, budget, budget > 0, new, L)
+            w_tokens = int(count.sum())
         if not (w_steps or new.any() or (rows.done.any())):
             deadlocked = True  # nothing ran, nothing entered or left: it never will
             break
@@ -265,6 +224,74 @@ def simulate(lengths: np.ndarray, pool: Pool, *, window: int, L: int, prompt: in
             "pages_in_use_at_end": int(pool.num_pages - blocks.free_pages.sum()),
             "deadlocked": deadlocked,
             "windows": series}
+
+
+def _chunk(blocks: Blocks, rows: Rows, t: Totals, n: np.ndarray, want: np.ndarray,
+           new: np.ndarray, L: int) -> tuple[int, int]:
+    """One ``generate_window`` of up to ``n [S]`` tokens for the ``want`` rows: pages for
+    them reserved first (continuations before fresh prompts; a row that does not fit stalls),
+    then the oracle's tokens written, finished rows' pages freed. Returns ``(steps, tokens)``
+    (``tokens``: ``[S]`` per row)."""
+    pool = blocks.pool
+    ok = blocks.reserve(want & ~new, rows.position + n, want & new)
+    run = want & ok
+    t.stalled += int((want & ~ok).sum())
+    count = np.where(run, np.minimum(n, rows.left), 0)
+    k = int(count.max()) if run.any() else 0
+    t.decode_steps += k
+    t.useful_tokens += int(count.sum())
+    rows.position += count
+    rows.generated += count
+    rows.left -= count
+    fin = run & ((rows.left == 0) | (rows.generated >= L))
+    t.page_steps += k * int(pool.num_pages - blocks.free_pages.sum())
+    rows.done |= fin  # the engine frees a finished row's pages in the window
+    if fin.any():
+        blocks.free(fin, cached(rows))
+    t.finished += int(fin.sum())
+    return k, count
+
+
+def _demand_window(blocks: Blocks, rows: Rows, t: Totals, budget: np.ndarray, new: np.ndarray,
+                   chunk: int, L: int, reprefill: bool) -> tuple[int, int]:
+    """``TruncatedRolloutScheduler._decode_on_demand`` with the oracle for the model: the
+    window in chunks, ``kv_slots.plan_chunk`` before each (same candidates, same ranks).
+    Returns ``(decode steps, tokens)``."""
+    ps = blocks.pool.page_size
+    left = budget.astype(np.int64)
+    current = rows.live & ~rows.preempted & (new | reprefill)
+    steps = tokens = 0
+    while True:
+        n = np.minimum(left, chunk)
+        holding = rows.live & ~rows.preempted & ~rows.done
+        running = holding & (left > 0)
+        tier = np.where(~running, 2, np.where(current, 1, 0))
+        preempt, readmit = kv_slots.plan_chunk(
+            blocks.free_pages, blocks.held, blocks.held, rows.position, n, running, holding,
+            (tier << 40) + rows.age, rows.preempted & (left > 0), rows.age, ps)
+        if preempt.any():
+            rows.preempted |= preempt
+            blocks.free(preempt, cached(rows))
+            t.preempted += int(preempt.sum())
+        if readmit.any():
+            ok = blocks.reserve(readmit, rows.position)  # the re-prefill
+            assert ok.all(), "re-prefill within the page plan failed"
+            rows.preempted &= ~readmit
+            current |= readmit
+            t.reprefill_tokens += int(rows.position[readmit].sum())
+        run = rows.live & ~rows.preempted & ~rows.done & (left > 0)
+        if not run.any():
+            if preempt.any():
+                continue
+            break
+        k, count = _chunk(blocks, rows, t, np.where(run, n, 0), run, new, L)
+        if not count.any():
+            break
+        steps, tokens = steps + k, tokens + int(count.sum())
+        left -= np.minimum(count, left)
+        left[rows.done] = 0
+    t.stalled += int((rows.live & ~rows.done & (left > 0)).sum())
+    return steps, tokens
 
 
 def _add(a: Totals, b: Totals) -> Totals:
@@ -282,7 +309,8 @@ def config_pool(config: str, num_pages: int | None = None) -> tuple[Pool, dict]:
     blocks = chips // m.decode_tensor if m.decode_layout == "decode" else m.data * m.fsdp
     pool = Pool(slots=r.slots, blocks=blocks, page_size=r.page_size,
                 num_pages=num_pages or r.num_pages, max_len=r.max_prompt_len + r.max_response_len)
-    return pool, {"window": r.window, "L": r.max_response_len}
+    return pool, {"window": r.window, "L": r.max_response_len, "kv_policy": r.kv_policy,
+                  "chunk": r.page_chunk, "reserve": r.page_reserve}
 
 
 def block_occupancy(config: str, median: float, sigma: float, prompt: int, window: int, *,
@@ -298,7 +326,8 @@ def block_occupancy(config: str, median: float, sigma: float, prompt: int, windo
                  num_pages=pool.num_pages // pool.blocks * blocks, max_len=pool.max_len)
     lengths = lognormal_lengths(small.slots * batches, median, sigma, rc["L"])
     return simulate(lengths, small, window=window, L=rc["L"], prompt=prompt, alloc="demand",
-                    chunk=chunk, reserve=reserve)["steady"]["occupancy"]
+                    chunk=chunk, reserve=reserve, kv_policy=rc["kv_policy"]
+                    )["steady"]["occupancy"]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -306,6 +335,8 @@ def run(args: argparse.Namespace) -> dict:
 
     pool, rc = config_pool(args.config)
     L, window = rc["L"], rc["window"]
+    chunk = rc["chunk"] if args.chunk is None else args.chunk
+    reserve = rc["reserve"] if args.reserve is None else args.reserve
     lengths = lognormal_lengths(pool.slots * args.batches, args.median, args.sigma, L,
                                 seed=args.seed)
     full = pool.slots * pool.max_pages
@@ -316,7 +347,8 @@ def run(args: argparse.Namespace) -> dict:
                  "assumption": ASSUMED.format(median=args.median, sigma=args.sigma, L=L,
                                               prompt=args.prompt_len),
                  "pool": {**pool.__dict__, "full_reservation_pages": full, "pools": pools},
-                 "window": window, "L": L, "chunk": args.chunk, "reserve": args.reserve,
+                 "window": window, "L": L, "chunk": chunk, "reserve": reserve,
+                 "kv_policy": rc["kv_policy"],
                  "samples": len(lengths), "runs": {}}
     path = Path(args.out) / "page_replay.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -332,8 +364,8 @@ def run(args: argparse.Namespace) -> dict:
                 key = f"{method}/{alloc}/{name}"
                 t0 = time.time()
                 res = simulate(lengths, Pool(**{**pool.__dict__, "num_pages": n}), window=w,
-                               L=L, prompt=args.prompt_len, alloc=alloc, chunk=args.chunk,
-                               reserve=args.reserve)
+                               L=L, prompt=args.prompt_len, alloc=alloc, chunk=chunk,
+                               reserve=reserve, kv_policy=rc["kv_policy"])
                 res["seconds"] = time.time() - t0
                 out["runs"][key] = res
                 st = res["steady"]
@@ -389,10 +421,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--median", type=float, default=3072, help="median response tokens (assumed)")
     p.add_argument("--sigma", type=float, default=0.9, help="log-normal sigma (assumed)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (assumed)")
-    p.add_argument("--chunk", type=int, default=1024,
-                   help="demand: tokens decoded between two host allocations")
-    p.add_argument("--reserve", type=float, default=0.02,
-                   help="demand: share of a block's pages admission leaves free")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="demand: tokens decoded between two host allocations (default: the "
+                        "config's rollout.page_chunk)")
+    p.add_argument("--reserve", type=float, default=None,
+                   help="demand: share of a block's pages admission leaves free (default: "
+                        "the config's rollout.page_reserve)")
     p.add_argument("--pool-fracs", type=float, nargs="*", default=[0.08],
                    help="more pools, as shares of full reservation (demand allocator)")
     p.add_argument("--all", action="store_true", help="the window allocator on those too")

@@ -14,13 +14,13 @@ invariant: see ``rollout.decode`` -- a live slot has ``[0, position)`` cached an
 ``next_token`` pending.
 
 Operations: per request, ``prefill`` one prompt into a ``Prefix`` and ``insert`` it into a
-slot (``insert_group``: G samples sharing its pages), then ``generate_step`` (one token per
+slot, then ``generate_step`` (one token per
 live slot). Batched, for a caller that keeps a host record of each slot's tokens (the
 scheduler): ``place_rows`` (a sequence enters its slot: pending token, position, response
 length, sequence id), ``prefill_slots`` (prefill many rows straight into their slots),
-``share_prompt``, ``generate_window`` (the truncated-rollout window: up to ``l`` tokens per
-slot in one jitted loop) and ``free_slots``. A batch of prompts from scratch:
-``prefill_prompts`` and ``decode_prompts``.
+``share_prompts`` (G samples of a prompt on its pages), ``generate_window`` (the
+truncated-rollout window: up to ``l`` tokens per slot in one jitted loop) and
+``free_slots``. A batch of prompts from scratch: ``prefill_prompts`` and ``decode_prompts``.
 
 The decode state is the one owner of each slot's pending token, position, response length,
 liveness and ``finished`` (EOS, ``max_new_tokens`` generated, or the slot full): a caller sets
@@ -32,12 +32,12 @@ pushes them again. Sequence ids (each one seeds its sampling stream) are minted 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 from jax.sharding import Mesh
 
 from tppo_jax.kernels.choice import kernels_for, platform_of, traced_on
@@ -45,78 +45,19 @@ from tppo_jax.parallel.multihost import host_to_global
 from tppo_jax.rollout import kv_slots
 from tppo_jax.rollout import pages as pg
 from tppo_jax.rollout.decode import SamplingParams, decode_window, prefill
+from tppo_jax.rollout.engine_state import (
+    DecodeState,
+    EngineParams,
+    PoolExhaustedError,
+    Prefix,
+    WindowResult,
+)
 
 Array = jax.Array
 # The columns of ``generate_step``'s ``[S, 5]`` int32 result (log-prob as float32 bits).
 STEP_COLUMNS = ("token", "valid", "length", "logprob_bits", "version")
-
-
-class PoolExhaustedError(RuntimeError):
-    """``insert`` found too few free pages. The decode state passed in was donated; the one
-    to keep using (the slot left empty, nothing else touched) is ``decode_state``."""
-
-    def __init__(self, msg: str, decode_state: Any = None) -> None:
-        super().__init__(msg)
-        self.decode_state = decode_state
-
-
-@struct.dataclass
-class EngineParams:
-    """Model weights (``nnx.State``) + the policy version that every sampled token records."""
-
-    state: Any
-    version: Array  # () int32
-
-
-@struct.dataclass
-class Prefix:
-    """A prefilled prompt (batch 1). k/v: ``[L, P, Hkv, D]``; length: () tokens cached
-    (``true_length - 1``); next_token: () the prompt's last token, fed by the first step."""
-
-    k: Array
-    v: Array
-    length: Array
-    next_token: Array
-
-
-@struct.dataclass
-class DecodeState:
-    """Everything a decode step transforms; ``S`` slots.
-
-    cache: ``DenseKVCache`` or ``PagedKVCache``; next_token / position / generated: ``[S]``
-    int32 (pending token, its position = tokens cached, response tokens so far); seq_id:
-    ``[S]`` uint32 (RNG stream); live: ``[S]`` bool; rng: the engine's PRNG key;
-    temperature / top_p: ``[S]`` float32 each slot's sampling (read only when the engine
-    samples per row, ``SamplingParams.per_row``; set by ``insert``).
-    """
-
-    cache: Any
-    next_token: Array
-    position: Array
-    generated: Array
-    seq_id: Array
-    live: Array
-    rng: Array
-    temperature: Array
-    top_p: Array
-
-
-class WindowResult(NamedTuple):
-    """One ``generate_window`` call. tokens/logprobs: ``[S, W]`` (0 after count); count:
-    ``[S]``; hit_eos / finished (EOS, ``max_new_tokens`` or the slot full; its pages freed) /
-    stalled (no pages this window; still live): ``[S]`` bool; version, steps: () int32;
-    top_ids / top_logprobs: ``[S, W, N]`` (``rollout.decode.WindowOut``)."""
-
-    tokens: Array
-    logprobs: Array
-    count: Array
-    hit_eos: Array
-    finished: Array
-    stalled: Array
-    version: Array
-    steps: Array
-    top_ids: Array | None = None
-    top_logprobs: Array | None = None
+__all__ = ["DecodeEngine", "DecodeState", "EngineParams", "PoolExhaustedError", "Prefix",
+           "STEP_COLUMNS", "WindowResult"]
 
 
 class DecodeEngine:
@@ -180,7 +121,6 @@ class DecodeEngine:
         self._prefill_fn = jax.jit(on_mesh(self._prefill_impl))
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=0)
         self._prefill_slots_fn = jax.jit(on_mesh(self._prefill_slots_impl), donate_argnums=1)
-        self._share_fn = jax.jit(self._share_impl, donate_argnums=0)
         self._share_rows_fn = jax.jit(self._share_rows_impl, donate_argnums=0)
         self._place_fn = jax.jit(self._place_impl, donate_argnums=0)
         self._window_fn = jax.jit(on_mesh(self._window_impl), static_argnums=2,
@@ -318,7 +258,7 @@ class DecodeEngine:
         cache = kv_slots.free(ds.cache, mask)  # a slot may be reused without a free
         cache, ok = kv_slots.reserve(cache, mask, jnp.where(mask, prefix.length, 0))
         ok = ok[slot]
-        cache = _write_prefix(cache, prefix, slot, ok)
+        cache = kv_slots.write_prefix(cache, prefix.k, prefix.v, prefix.length, slot, ok)
         at = lambda x, val: x.at[slot].set(val)  # noqa: E731
         return ds.replace(cache=cache, next_token=at(ds.next_token, prefix.next_token),
                           position=at(ds.position, jnp.where(ok, prefix.length, 0)),
@@ -379,11 +319,6 @@ class DecodeEngine:
         slot that got no pages is left untouched. ``decode_state`` is donated."""
         return self._prefill_slots_fn(params, decode_state, tokens, lengths, rows)
 
-    def _share_impl(self, ds: DecodeState, src: Array, dst: Array, seq_ids: Array
-                    ) -> tuple[DecodeState, Array]:
-        """``_share_rows_impl`` with one source slot ``src`` (an int32 scalar)."""
-        return self._share_rows_impl(ds, jnp.arange(dst.shape[0]) == src, dst, seq_ids)
-
     def _share_rows_impl(self, ds: DecodeState, src: Array, dst: Array, seq_ids: Array
                          ) -> tuple[DecodeState, Array]:
         cache = kv_slots.free(ds.cache, dst)
@@ -405,28 +340,6 @@ class DecodeEngine:
         uint32 their sampling streams. Per-slot arrays as ``put_rows`` makes them. Returns
         ``(state, ok [S])``. ``decode_state`` is donated."""
         return self._share_rows_fn(decode_state, src, dst, seq_ids)
-
-    def share_prompt(self, decode_state: DecodeState, src: int, dst: np.ndarray,
-                     seq_ids: np.ndarray) -> tuple[DecodeState, np.ndarray]:
-        """Paged: the slots in ``dst [S]`` take slot ``src``'s prompt (full pages shared, the
-        tail page copied). Returns ``(state, ok [S])``. ``decode_state`` is donated."""
-        ds, ok = self._share_fn(decode_state, jnp.int32(src), jnp.asarray(dst),
-                                jnp.asarray(seq_ids, jnp.uint32))
-        return ds, np.asarray(ok)
-
-    def insert_group(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]
-                     ) -> tuple[DecodeState, np.ndarray]:
-        """G samples of one prompt: prefix written once into ``slots[0]``, full pages shared
-        by the others (tail page copied). Returns ``(state, ok [G] bool)``."""
-        ds, ok0 = self.try_insert(prefix, decode_state, slots[0])
-        if not ok0 or len(slots) == 1:
-            return ds, np.array([ok0] + [False] * (len(slots) - 1))
-        dst = np.zeros(self._slots, bool)
-        dst[list(slots[1:])] = True
-        ids = np.zeros(self._slots, np.uint32)
-        ids[list(slots[1:])] = self.new_seq_ids(len(slots) - 1)
-        ds, ok = self.share_prompt(ds, slots[0], dst, ids)
-        return ds, np.concatenate([[True], ok[list(slots[1:])]])
 
     def free_slots(self, decode_state: DecodeState, slots: Sequence[int] | np.ndarray | Array
                    ) -> DecodeState:
@@ -545,23 +458,3 @@ class DecodeEngine:
         ds, _ = self.prefill_prompts(params, tokens, lengths, seq_ids=seq_ids, seed=seed)
         return self.generate_window(ds, params, max_new_tokens)[1]
 
-
-def _write_prefix(cache: Any, prefix: Prefix, slot: Array, ok: Array) -> Any:
-    """Writes a ``Prefix``'s k/v (its first ``length`` positions) into ``slot`` when ``ok``."""
-    p = prefix.k.shape[1]
-    pos = jnp.arange(p, dtype=jnp.int32)[None]
-    valid = (pos < prefix.length) & ok
-    if kv_slots.is_paged(cache):
-        def write(kl, vl, pk, pv):
-            return pg.write_kv(kl, vl, cache.pages, slot[None], pos, pk[None], pv[None], valid)
-
-        k, v = jax.vmap(write)(cache.k, cache.v, prefix.k.astype(cache.k.dtype),
-                               prefix.v.astype(cache.v.dtype))
-        slot_len = cache.pages.slot_len.at[slot].set(jnp.where(ok, prefix.length, 0))
-        return cache.replace(pages=cache.pages.replace(slot_len=slot_len), k=k, v=v)
-    keep = valid[0][None, :, None, None]
-    k_row = jnp.where(keep, prefix.k.astype(cache.k.dtype), cache.k[:, slot, :p])
-    v_row = jnp.where(keep, prefix.v.astype(cache.v.dtype), cache.v[:, slot, :p])
-    return cache.replace(k=cache.k.at[:, slot, :p].set(k_row),
-                         v=cache.v.at[:, slot, :p].set(v_row),
-                         lengths=cache.lengths.at[slot].set(jnp.where(ok, prefix.length, 0)))

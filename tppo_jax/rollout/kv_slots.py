@@ -1,5 +1,5 @@
-"""Slot operations on a KV cache: the one owner of pool set-up, page budgets, prompt sharing,
-window reservation and freeing.
+"""Slot operations on a KV cache: the one owner of pool set-up, page budgets, prompt writing
+and sharing, window reservation, freeing, and the on-demand allocator's plan (``plan_chunk``).
 
 The engine calls these on whatever cache it decodes with. For a ``PagedKVCache`` they move
 pages (``rollout.pages`` holds the pure page-table arithmetic); for a ``DenseKVCache`` every
@@ -132,6 +132,29 @@ def free(cache: Cache, rows: Array) -> Cache:
     if sp is None:
         return cache.replace(pages=pg.free(cache.pages, rows))
     return cache.replace(pages=sp.run(pg.free, (sp.rows, sp.rows), sp.rows)(cache.pages, rows))
+
+
+def write_prefix(cache: Cache, k: Array, v: Array, length: Array, slot: Array, ok: Array
+                 ) -> Cache:
+    """A prefilled prompt's ``k, v [L, P, Hkv, D]`` (its first ``length`` positions) into
+    ``slot`` when ``ok`` (pages already reserved for a paged cache)."""
+    p = k.shape[1]
+    pos = jnp.arange(p, dtype=jnp.int32)[None]
+    valid = (pos < length) & ok
+    if is_paged(cache):
+        def write(kl, vl, pk, pv):
+            return pg.write_kv(kl, vl, cache.pages, slot[None], pos, pk[None], pv[None], valid)
+
+        k, v = jax.vmap(write)(cache.k, cache.v, k.astype(cache.k.dtype),
+                               v.astype(cache.v.dtype))
+        slot_len = cache.pages.slot_len.at[slot].set(jnp.where(ok, length, 0))
+        return cache.replace(pages=cache.pages.replace(slot_len=slot_len), k=k, v=v)
+    keep = valid[0][None, :, None, None]
+    k_row = jnp.where(keep, k.astype(cache.k.dtype), cache.k[:, slot, :p])
+    v_row = jnp.where(keep, v.astype(cache.v.dtype), cache.v[:, slot, :p])
+    return cache.replace(k=cache.k.at[:, slot, :p].set(k_row),
+                         v=cache.v.at[:, slot, :p].set(v_row),
+                         lengths=cache.lengths.at[slot].set(jnp.where(ok, length, 0)))
 
 
 def share_prompts(cache: PagedKVCache, src: Array, dst: Array
@@ -292,6 +315,67 @@ def preempt_rows(short: np.ndarray, gain: np.ndarray, candidates: np.ndarray,
             out[r] = True
             got += int(gain[r])
     return out
+
+
+def _block_sum(x: np.ndarray, blocks: int) -> np.ndarray:
+    return np.asarray(x, np.int64).reshape(blocks, -1).sum(axis=1)
+
+
+def plan_chunk(free: np.ndarray, held: np.ndarray, private: np.ndarray, position: np.ndarray,
+               n: np.ndarray, running: np.ndarray, candidates: np.ndarray, rank: np.ndarray,
+               waiting: np.ndarray, age: np.ndarray, page_size: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The on-demand allocator's decision before each chunk of a window (pure numpy; the
+    scheduler runs it, ``tppo bench page-replay`` replays it).
+
+    The ``running [S]`` rows will write ``n [S]`` more tokens after their ``position [S]``
+    cached ones, taking the pages that crosses (``held [S]`` held now). A block whose ``free
+    [blocks]`` pages fall short preempts ``candidates`` (``preempt_rows``, highest ``rank``
+    first; each gives back its ``private [S]`` pages, those no other slot shares, and the
+    growth it no longer needs). Then the ``waiting [S]`` rows (preempted earlier, holding
+    nothing) take their turn: candidates with nothing to write in this chunk (done with the
+    window) give way to them, and they come back oldest (lowest ``age``) first while their
+    block has the pages of their cache and their next chunk (``readmit_rows``; they are
+    re-prefilled). Returns ``(preempt [S], readmit [S])`` bool."""
+    blocks, s = len(free), held.shape[0]
+    want = -(-(np.asarray(position, np.int64) + n) // page_size)
+    active = running & (n > 0)
+    grow = np.where(active, np.maximum(want - held, 0), 0)
+    candidates = candidates & ~waiting
+    preempt = preempt_rows(_block_sum(grow, blocks) - free, private + grow, candidates, rank)
+    room = free - _block_sum(np.where(preempt, 0, grow), blocks) + _block_sum(
+        np.where(preempt, private, 0), blocks)
+    short = _block_sum(np.where(waiting, want, 0), blocks) - room
+    idle = preempt_rows(short, private, candidates & ~active & ~preempt, rank)
+    room += _block_sum(np.where(idle, private, 0), blocks)
+    back = np.flatnonzero(waiting)
+    back = back[np.argsort(np.asarray(age)[back], kind="stable")]
+    return preempt | idle, readmit_rows(back, room, s // blocks, want)
+
+
+def private_pages(table: np.ndarray, refcount: np.ndarray, blocks: int) -> np.ndarray:
+    """``[S]`` pages each slot holds alone (refcount 1: freeing the slot returns them); table
+    ids are local to each of the ``blocks`` blocks of ``refcount``."""
+    s, n = table.shape[0], refcount.shape[0]
+    off = (np.arange(s) // (s // blocks)) * (n // blocks)
+    ids = np.where(table >= 0, table + off[:, None], 0)
+    return ((table >= 0) & (refcount[ids] == 1)).sum(axis=1).astype(np.int64)
+
+
+def host_page_view(cache: PagedKVCache) -> dict[str, np.ndarray]:
+    """This host's pages as the on-demand allocator reads them: ``held``, ``private`` and
+    ``cached`` (positions written) ``[S_host]``, ``free [blocks]`` (``host_blocks``)."""
+    blocks = host_blocks(cache)
+    if _split(cache) is None:
+        table, refcount = np.asarray(cache.pages.page_table), np.asarray(cache.pages.refcount)
+        cached = np.asarray(cache.pages.slot_len)
+    else:
+        table, refcount = (global_to_host(cache.pages.page_table),
+                           global_to_host(cache.pages.refcount))
+        cached = global_to_host(cache.pages.slot_len)
+    return {"held": (table >= 0).sum(axis=1).astype(np.int64),
+            "private": private_pages(table, refcount, blocks), "cached": cached,
+            "free": (refcount == 0).reshape(blocks, -1).sum(axis=1).astype(np.int64)}
 
 
 def admission_room(cache: Cache, live: np.ndarray, position: np.ndarray, window: int

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -43,67 +42,10 @@ from tppo_jax.parallel.multihost import (
 from tppo_jax.rollout import kv_slots
 from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.engine import DecodeEngine
+from tppo_jax.rollout.records import RolloutBatch, SlotState
 
-
-@dataclass
-class RolloutBatch:
-    """One step's rollout, every slot a row (``S = max_prompt_len + max_response_len``).
-
-    tokens: ``[B, S]`` prompt + all windows so far, right-padded with 0.
-    prompt_len: ``[B]``; window_start: ``[B]`` index of the first current-window token;
-    window_len: ``[B]`` tokens generated this window; total_len = window_start + window_len.
-    finished: ``[B]`` bool; window_index: ``[B]`` 0-based window of this row.
-    sample_logprobs: ``[B, S]`` log-prob of token ``t`` under the sampling policy (0 elsewhere).
-    policy_version: ``[B, S]`` int32 policy version that sampled token ``t`` (-1 for prompts).
-    group_id: ``[B]`` int64 id shared by the G samples of a prompt.
-    examples: the ``MathExample`` of each row (None for an empty slot).
-    """
-
-    tokens: np.ndarray
-    prompt_len: np.ndarray
-    window_start: np.ndarray
-    window_len: np.ndarray
-    finished: np.ndarray
-    window_index: np.ndarray
-    sample_logprobs: np.ndarray
-    policy_version: np.ndarray
-    group_id: np.ndarray
-    examples: list[MathExample | None]  # None for a slot left empty (paged pool short)
-
-    @property
-    def total_len(self) -> np.ndarray:
-        return self.window_start + self.window_len
-
-    def response_tokens(self, row: int) -> list[int]:
-        return self.tokens[row, self.prompt_len[row]:self.total_len[row]].tolist()
-
-
-@dataclass
-class SlotState:
-    """Host-side state of every slot; checkpointed with the trainer (numpy only)."""
-
-    tokens: np.ndarray  # [B, S]
-    prompt_len: np.ndarray  # [B]
-    total_len: np.ndarray  # [B]
-    windows_done: np.ndarray  # [B] windows generated so far
-    # [B] bool: occupied, a sequence the caller has not released (whether it still decodes
-    # is the engine's ``live``)
-    live: np.ndarray
-    sample_logprobs: np.ndarray  # [B, S]
-    policy_version: np.ndarray  # [B, S]
-    group_id: np.ndarray  # [B]
-    seq_id: np.ndarray  # [B] the sequence's id (``DecodeEngine.new_seq_ids``; its RNG stream)
-    example_index: np.ndarray  # [B] index into `examples`
-
-    @classmethod
-    def empty(cls, b: int, s: int) -> SlotState:
-        z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
-        return cls(z(b, s), z(b), z(b), z(b), z(b, dt=bool), z(b, s, dt=np.float32),
-                   np.full((b, s), -1, np.int32), z(b, dt=np.int64), z(b, dt=np.int64),
-                   np.full(b, -1, np.int64))
-
-    def to_dict(self) -> dict[str, np.ndarray]:
-        return dict(self.__dict__)
+__all__ = ["MAX_IDLE_STEPS", "RolloutBatch", "SlotState", "TruncatedRolloutScheduler",
+           "make_engine"]
 
 
 # Steps in a row with nothing live before a run stops: one is a pool that is briefly full,
@@ -174,6 +116,9 @@ class TruncatedRolloutScheduler:
         self.K = r.num_windows
         self.S = r.max_prompt_len + r.max_response_len
         self.kv_policy = r.kv_policy
+        # Pages as tokens are written (``rollout.page_alloc``; a paged cache only).
+        self.on_demand = self.kv_cache == "paged" and r.page_alloc == "on_demand"
+        self.chunk, self.page_reserve = min(r.page_chunk, self.window), r.page_reserve
         self.mesh = mesh
         self.engine = make_engine(model, r, eos_ids=eos_ids, sampling=sampling, seed=seed,
                                   mesh=mesh)
@@ -188,6 +133,8 @@ class TruncatedRolloutScheduler:
         self.step_stats: dict[str, float] = {}
         self._force_prefill = False
         self.pending: deque[int] = deque()
+        # [B] live rows holding no cache (preempted; on demand), re-prefilled when room returns
+        self.waiting = np.zeros(self.B, bool)
         self._idle_steps = 0  # steps in a row with no live row (nothing admitted or running)
 
     def _host_rows(self, tree: Any) -> Any:
@@ -262,8 +209,15 @@ class TruncatedRolloutScheduler:
         rows that need a prefill."""
         st = self.state
         new_rows = np.zeros(self.B, bool)
-        room = kv_slots.admission_room(self.ds.cache, st.live, st.total_len - 1, self.window)
         ids_of: dict[int, list[int]] = {}
+        if self.on_demand:  # the pages free now beyond the reserve; waiting rows come first
+            room = kv_slots.host_page_view(self.ds.cache)["free"]
+            room = room - int(self.page_reserve * self.engine.num_pages / len(room)
+                              / jax.process_count())
+            room[np.unique(np.flatnonzero(self.waiting) // (self.B // len(room)))] = -1
+        else:
+            room = kv_slots.admission_room(self.ds.cache, st.live, st.total_len - 1,
+                                           self.window)
 
         def need(i: int) -> int:  # pages the i-th waiting request takes (prompts drawn lazily)
             while len(self.pending) <= i:
@@ -276,7 +230,7 @@ class TruncatedRolloutScheduler:
                 ids_of[gid] = self.encode_prompt(self.examples[gid])[-self.P:]
             if not kv_slots.is_paged(self.ds.cache):
                 return 0
-            return kv_slots.pages_for(len(ids_of[gid]) - 1 + self.window, self.engine.page_size)
+            return kv_slots.pages_for(self._first_tokens(len(ids_of[gid])), self.engine.page_size)
 
         admitted, deferred = kv_slots.admit_rows(np.flatnonzero(~st.live), room,
                                                  self.B // len(room), need)
@@ -297,6 +251,11 @@ class TruncatedRolloutScheduler:
             new_rows[r] = True
         return new_rows
 
+    def _first_tokens(self, prompt_len: int) -> int:
+        """Positions a fresh prompt's admission takes pages for: its cache and first token
+        on demand, else its cache and its whole first window."""
+        return prompt_len if self.on_demand else prompt_len - 1 + self.window
+
     def _check_progress(self) -> None:
         """``ConfigError`` (one line) after ``MAX_IDLE_STEPS`` steps in a row with no live
         row: nothing could be admitted (a paged pool too small for a prompt and its first
@@ -307,9 +266,10 @@ class TruncatedRolloutScheduler:
         pool = ""
         if kv_slots.is_paged(self.ds.cache):
             ps = self.engine.page_size
-            need = kv_slots.pages_for(self.P - 1 + self.window, ps)
+            need = kv_slots.pages_for(self._first_tokens(self.P), ps)
+            what = "its first token" if self.on_demand else "its first window"
             pool = (f": the paged KV pool ({self.engine.num_pages} pages of {ps} tokens) has "
-                    f"no room for a prompt and its first window ({need} pages); raise "
+                    f"no room for a prompt and {what} ({need} pages); raise "
                     f"rollout.num_pages (0 = enough for every slot)")
         raise ConfigError(f"rollout admitted no prompt for {MAX_IDLE_STEPS} steps in a row"
                           f"{pool}")
@@ -319,6 +279,7 @@ class TruncatedRolloutScheduler:
         pages go back to the pool now)."""
         finished = finished & self.state.live
         self.state.live &= ~finished
+        self.waiting &= self.state.live
         if finished.any() or jax.process_count() > 1:  # hosts must make the same calls
             self.ds = self.engine.free_slots(self.ds, self._put(finished))
         live_groups = set(self.state.group_id[self.state.live].tolist()) | set(self.pending)
@@ -341,7 +302,8 @@ class TruncatedRolloutScheduler:
     def _prefill(self, new_rows: np.ndarray) -> None:
         """New prompts (and, with ``reprefill``, every continuation) into their slots."""
         st = self.state
-        rows = (new_rows | (self.kv_policy == "reprefill") | self._force_prefill) & st.live
+        rows = ((new_rows | (self.kv_policy == "reprefill") | self._force_prefill) & st.live
+                & ~self.waiting)
         self._force_prefill = False
         # Sharing needs the prompt's KV to stay fixed, so not with reprefill.
         if kv_slots.is_paged(self.ds.cache) and self.kv_policy == "keep" and self.G > 1:
@@ -374,11 +336,13 @@ class TruncatedRolloutScheduler:
         """The last ``step()``'s host-local scheduler counts (the same keys on every host;
         summed over hosts they are the step's): ``admitted`` (fresh samples),
         ``admissions_deferred`` (fresh samples a short page pool turned away), ``stalled``
-        (live rows that got no pages for the window: kept, not run), ``reprefill_tokens``
-        (tokens of rows already decoding prefilled again), ``decode_slot_steps`` (slots x
+        (live rows that got no pages for the window, or on demand for the rest of it: kept,
+        not run), ``preempted`` (rows whose pages a dry block took back, on demand),
+        ``reprefill_tokens`` (tokens of rows already decoding prefilled again: ``reprefill``,
+        a restore, a preempted row's return), ``decode_slot_steps`` (slots x
         decode steps), ``shared_prefills``; paged, ``pages_in_use`` (after the window: finished
         rows' pages are back) and ``pages_total``."""
-        keys = ("admitted", "admissions_deferred", "stalled", "reprefill_tokens",
+        keys = ("admitted", "admissions_deferred", "stalled", "preempted", "reprefill_tokens",
                 "decode_slot_steps", "shared_prefills")
         out = {k: float(self.step_stats.get(k, 0.0)) for k in keys}
         if kv_slots.is_paged(self.ds.cache):
@@ -397,27 +361,15 @@ class TruncatedRolloutScheduler:
         self._prefill(new_rows)
         budget = np.where(st.live, np.minimum(self.window, st.prompt_len + self.L - st.total_len),
                           0).astype(np.int32)
-        self.ds, out = self.engine.generate_window(
-            self.ds, self.params, self.window, budget=self._put(budget),
-            first=self._put(st.live & ~new_rows))
-        toks, lps, count, finished, stalled, steps = self._host_rows(
-            (out.tokens, out.logprobs, out.count, out.finished, out.stalled, out.steps))
-        active = st.live & ~stalled
-        window_start = st.total_len.copy()
-        for r in range(self.B):
-            n = int(count[r])
-            a = int(st.total_len[r])
-            st.tokens[r, a:a + n] = toks[r, :n]
-            st.sample_logprobs[r, a:a + n] = lps[r, :n]
-            st.policy_version[r, a:a + n] = self.policy_version
-        st.total_len += count
-        window_index = st.windows_done.copy()
-        st.windows_done += active
+        window_start, window_index = st.total_len.copy(), st.windows_done.copy()
+        decode = self._decode_on_demand if self.on_demand else self._decode_window
+        finished, steps = decode(budget, new_rows)
+        count = st.total_len - window_start
+        st.windows_done += st.live & (count > 0)
         self.step_count += 1
-        self.stats["slot_steps"] += float(self.B * int(steps))
+        self.stats["slot_steps"] += float(self.B * steps)
         self.stats["useful_tokens"] += float(count.sum())
-        self._count("stalled", float((st.live & stalled).sum()))
-        self.step_stats["decode_slot_steps"] = float(self.B * int(steps))
+        self.step_stats["decode_slot_steps"] = float(self.B * steps)
         return RolloutBatch(
             tokens=st.tokens.copy(), prompt_len=st.prompt_len.copy(),
             window_start=window_start, window_len=count.astype(np.int32),
@@ -427,6 +379,99 @@ class TruncatedRolloutScheduler:
             examples=[self.examples.get(int(g)) if live else None
                       for g, live in zip(st.group_id, st.live, strict=True)],
         )
+
+    def _run_chunk(self, num_steps: int, budget: np.ndarray, new_rows: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """One ``generate_window`` of up to ``num_steps`` tokens per row (``budget``),
+        continuations' pages before fresh prompts'; its tokens appended to the host record.
+        Returns ``(count, finished, stalled, steps)``."""
+        st = self.state
+        self.ds, out = self.engine.generate_window(
+            self.ds, self.params, num_steps, budget=self._put(budget.astype(np.int32)),
+            first=self._put(st.live & ~new_rows))
+        toks, lps, count, finished, stalled, steps = self._host_rows(
+            (out.tokens, out.logprobs, out.count, out.finished, out.stalled, out.steps))
+        for r in np.flatnonzero(count):
+            n, a = int(count[r]), int(st.total_len[r])
+            st.tokens[r, a:a + n] = toks[r, :n]
+            st.sample_logprobs[r, a:a + n] = lps[r, :n]
+            st.policy_version[r, a:a + n] = self.policy_version
+        st.total_len += count
+        return count, finished, stalled, int(steps)
+
+    def _decode_window(self, budget: np.ndarray, new_rows: np.ndarray) -> tuple[np.ndarray, int]:
+        """Whole-window reservation (``rollout.page_alloc: window``, and a dense cache): one
+        window, each row's pages for all of it taken up front; a row that cannot get them
+        stalls (kept, not run). Returns ``(finished, decode steps)``."""
+        _, finished, stalled, steps = self._run_chunk(self.window, budget, new_rows)
+        self._count("stalled", float((self.state.live & stalled).sum()))
+        return finished, steps
+
+    def _any(self, mask: np.ndarray) -> bool:
+        """``mask.any()`` on some host (every host takes the same branch)."""
+        return bool(max_over_hosts({"any": float(np.any(mask))})["any"])
+
+    def _decode_on_demand(self, budget: np.ndarray, new_rows: np.ndarray
+                          ) -> tuple[np.ndarray, int]:
+        """Pages taken as tokens are written: the window in chunks of ``page_chunk`` tokens,
+        the pages each chunk crosses allocated before it (``kv_slots.plan_chunk``). A block
+        that runs dry preempts its youngest rows whose whole cache the current weights
+        computed (fresh prompts, rows re-prefilled this window; with ``reprefill`` every
+        row): their pages are freed and they are re-prefilled, oldest first, when the block
+        has room again, in this window and under these weights, so their tokens and log-probs
+        are the ones they would have had (sampling is keyed by sequence and position, not by
+        loop step). Rows done with this window give way first, to the running rows and to
+        the preempted ones (they are idle until the next window, re-prefilled at its start);
+        with ``keep``, such a row, or a running one of an older cache when nothing else is
+        left, continues from a cache of the current weights, as ``reprefill`` gives every row
+        (the one way in which ``keep``'s samples depend on the pool). Returns ``(finished,
+        decode steps)``."""
+        st, left = self.state, budget.astype(np.int64)
+        finished, steps = np.zeros(self.B, bool), 0
+        reprefill = self.kv_policy == "reprefill"
+        current = st.live & ~self.waiting & (new_rows | reprefill)
+        while True:
+            view = kv_slots.host_page_view(self.ds.cache)
+            n = np.minimum(left, self.chunk)
+            holding = st.live & ~self.waiting & ~finished
+            running = holding & (left > 0)
+            # Preempted first: rows done with this window (idle until the next one; with
+            # reprefill re-prefilled then anyway), then rows of the current weights, then
+            # the rest of keep's.
+            tier = np.where(~running, 2, np.where(current, 1, 0))
+            age = st.seq_id.astype(np.int64)
+            preempt, readmit = kv_slots.plan_chunk(
+                view["free"], view["held"], view["private"], st.total_len - 1, n, running,
+                holding, (tier << 40) + age, self.waiting & (left > 0), age,
+                self.engine.page_size)
+            preempted = self._any(preempt)
+            if preempted:
+                self.ds = self.engine.free_slots(self.ds, self._put(preempt))
+                self.waiting |= preempt
+                self._count("preempted", float(preempt.sum()))
+            if self._any(readmit):
+                self._place(readmit)
+                self.ds, ok = self._prefill_rows(readmit)
+                if not self._host_rows(ok)[readmit].all():
+                    raise RuntimeError("KV pages ran out during a re-prefill the page plan "
+                                       "allowed")
+                self.waiting &= ~readmit
+                current |= readmit
+                self._count("reprefill_tokens", float((st.total_len - 1)[readmit].sum()))
+            run = st.live & ~self.waiting & (left > 0)
+            if not self._any(run):
+                if preempted:  # (pages shared with a row preempted before come back now)
+                    continue
+                break
+            count, fin, _, k = self._run_chunk(self.chunk, np.where(run, n, 0), new_rows)
+            if not self._any(count):
+                break  # every block full of rows this window cannot preempt
+            left -= count
+            left[fin] = 0
+            finished |= fin
+            steps += k
+        self._count("stalled", float((st.live & ~finished & (left > 0)).sum()))
+        return finished, steps
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -445,10 +490,12 @@ class TruncatedRolloutScheduler:
         # (a checkpoint from before the group baseline's ``so_far`` was removed also holds
         # "outcomes": nothing reads them)
         self.policy_version = int(d["policy_version"])
-        # Without a saved cache every live row is re-prefilled (see ``restore_cache``).
+        # Without a saved cache every live row is re-prefilled (see ``restore_cache``): on
+        # demand as preempted rows are (oldest first, as pages allow), else before the window.
         self.ds = self.engine.init_decode_state()
-        self._place(self.state.live)
-        self._force_prefill = True
+        self.waiting = self.state.live.copy() if self.on_demand else np.zeros(self.B, bool)
+        self._place(self.state.live & ~self.waiting)
+        self._force_prefill = not self.on_demand
 
     def cache_state(self) -> dict[str, Any]:
         """The KV cache (dense or paged, with its page table) as a nested dict of arrays."""
@@ -461,6 +508,11 @@ class TruncatedRolloutScheduler:
                               tree, serialization.to_state_dict(self.ds.cache))
         self.ds = self.ds.replace(cache=serialization.from_state_dict(self.ds.cache, placed))
         self._force_prefill = False
+        if self.on_demand:  # rows saved preempted (no cache) stay so; the rest decode on
+            cached = kv_slots.host_page_view(self.ds.cache)["cached"]
+            st = self.state
+            self.waiting = st.live & (cached != st.total_len - 1)
+            self._place(st.live & ~self.waiting)
 
     def checkpoint_items(self) -> dict[str, Any]:
         """The device trees a checkpoint saves: ``slots`` (every host's slot rows as one
