@@ -178,21 +178,29 @@ def decode_programs(cfg: Config, mesh: Any, models: dict[str, Any], state: Any,
 
 def rollout_programs(cfg: Config, engine: Any, params: Any, ds: Any, dmesh: Any,
                      held: tuple[str, ...]) -> list[Program]:
-    """The rollout's prefill (new prompts at their bucket; continuations, ``reprefill``, at
-    the widest) and its decode window."""
+    """The rollout's programs as the scheduler runs them: the prefill (new prompts at their
+    bucket; continuations, ``reprefill``, at the widest), the decode window (with pages on
+    demand, a chunk of ``page_chunk`` steps: the window runs as such chunks), and, when the
+    page pool can run dry on demand, the re-prefill of preempted rows at the widest bucket
+    (a row can be preempted holding up to ``max_prompt_len + max_response_len`` tokens)."""
     from tppo_jax.rollout.programs import prefill_program, window_program
 
     r = cfg.rollout
     s = r.max_prompt_len + r.max_response_len
     pw = s if r.kv_policy == "reprefill" else bucket_width(r.max_prompt_len, s)
     window = min(r.window, r.max_response_len)
-    pre = prefill_program(engine, params, ds, pw, name=f"rollout_prefill[w={pw}]",
-                          kind="rollout", mesh=dmesh, holds=held)
-    win = window_program(engine, params, ds, window, name=f"rollout_window[l={window}]",
+    on_demand = engine.kv_cache == "paged" and r.page_alloc == "on_demand"
+    steps = min(r.page_chunk, window) if on_demand else window
+    out = [prefill_program(engine, params, ds, pw, name=f"rollout_prefill[w={pw}]",
+                           kind="rollout", mesh=dmesh, holds=held)]
+    if on_demand and pw < s and 0 < r.num_pages * r.page_size < r.slots * s:
+        out.append(prefill_program(engine, params, ds, s, name=f"rollout_reprefill[w={s}]",
+                                   kind="rollout", mesh=dmesh, holds=held))
+    win = window_program(engine, params, ds, steps, name=f"rollout_window[l={steps}]",
                          kind="rollout", mesh=dmesh, holds=held)
-    win = replace(win, meta={**win.meta, "decode_steps": 1,
-                             "kv_bytes": per_chip_bytes(ds.cache)})
-    return [pre, win]
+    out.append(replace(win, meta={**win.meta, "decode_steps": 1,
+                                  "kv_bytes": per_chip_bytes(ds.cache)}))
+    return out
 
 
 def eval_programs(cfg: Config, policy: Any, params: Any, sampling: Any, dmesh: Any,
