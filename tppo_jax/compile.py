@@ -181,9 +181,10 @@ def rollout_programs(cfg: Config, engine: Any, params: Any, ds: Any, dmesh: Any,
     """The rollout's programs as the scheduler runs them: the prefill (new prompts at their
     bucket; continuations, ``reprefill``, at the widest), the decode window (with pages on
     demand, a chunk of ``page_chunk`` steps: the window runs as such chunks), and, when the
-    page pool can run dry on demand, the re-prefill of preempted rows at the widest bucket
-    (a row can be preempted holding up to ``max_prompt_len + max_response_len`` tokens)."""
-    from tppo_jax.rollout.programs import prefill_program, window_program
+    page pool can run dry on demand, the re-prefill of preempted rows (gathered, a few per
+    page block: ``DecodeEngine.prefill_gathered``) at the widest bucket (a row can be
+    preempted holding up to ``max_prompt_len + max_response_len`` tokens)."""
+    from tppo_jax.rollout.programs import gathered_program, prefill_program, window_program
 
     r = cfg.rollout
     s = r.max_prompt_len + r.max_response_len
@@ -194,8 +195,8 @@ def rollout_programs(cfg: Config, engine: Any, params: Any, ds: Any, dmesh: Any,
     out = [prefill_program(engine, params, ds, pw, name=f"rollout_prefill[w={pw}]",
                            kind="rollout", mesh=dmesh, holds=held)]
     if on_demand and pw < s and 0 < r.num_pages * r.page_size < r.slots * s:
-        out.append(prefill_program(engine, params, ds, s, name=f"rollout_reprefill[w={s}]",
-                                   kind="rollout", mesh=dmesh, holds=held))
+        out.append(gathered_program(engine, params, ds, s, name=f"rollout_reprefill[w={s}]",
+                                    kind="rollout", mesh=dmesh, holds=held))
     win = window_program(engine, params, ds, steps, name=f"rollout_window[l={steps}]",
                          kind="rollout", mesh=dmesh, holds=held)
     out.append(replace(win, meta={**win.meta, "decode_steps": 1,

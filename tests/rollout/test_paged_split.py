@@ -107,3 +107,40 @@ def test_split_pool_decodes_like_one_pool(mesh):
     np.testing.assert_array_equal(toks[5], toks[4])
     assert not np.asarray(ds.live)[3]  # refused: emptied, nothing decoded
     assert int(np.asarray(out.count)[3]) == 0
+
+
+@pytest.mark.slow  # ~15 s on 2 shared cores (3 split-pool compiles)
+def test_gathered_prefill_writes_what_the_all_slots_prefill_writes(mesh):
+    """``prefill_gathered`` of one row per block (slots 1, 2 and 7; block 2 padding) into a
+    split pool already holding slots 0 and 3: the same pages, page table, refcounts, cached
+    KV, pending tokens and positions as ``prefill_slots`` over all 8 slots with those rows
+    selected; a row whose block has no page left is refused in both."""
+    tokens, lens = _prompts()
+    eng = DecodeEngine(create_model(CFG, seed=0, mesh=mesh), eos_ids=(), max_slots=8,
+                       max_target_length=24, kv_cache="paged", page_size=4, num_pages=12,
+                       mesh=mesh, reprefill_tokens=8)
+    assert eng.page_blocks == 4 and eng.gather_rows(8) == 1
+    params, put = eng.load_params(), eng.put_rows
+    lens[[0, 3]] = 8  # block 1 (3 pages): slot 3 holds 2 pages and slot 2 needs 2: refused
+    mask = lambda rows: put(np.isin(np.arange(8), rows))  # noqa: E731
+    states = []
+    for _ in range(2):
+        ds = eng.init_decode_state()
+        ds, _ = eng.prefill_slots(params, ds, put(tokens), put(lens), mask([0, 3]))
+        states.append(ds)
+    want, ok = eng.prefill_slots(params, states[0], put(tokens), put(lens), mask([1, 2, 7]))
+    slots = np.array([1, 2, 4, 7], np.int32)
+    got, got_ok = eng.prefill_gathered(params, states[1], put(tokens[slots]),
+                                       put(lens[slots]), put(slots),
+                                       put(np.array([1, 1, 0, 1], bool)))
+    np.testing.assert_array_equal(np.asarray(got_ok), [1, 0, 0, 1])
+    np.testing.assert_array_equal(np.asarray(ok)[[1, 2, 7]], [1, 0, 1])
+    for a, b in [(got.next_token, want.next_token), (got.position, want.position),
+                 (got.cache.pages.page_table, want.cache.pages.page_table),
+                 (got.cache.pages.refcount, want.cache.pages.refcount),
+                 (got.cache.pages.slot_len, want.cache.pages.slot_len),
+                 (got.cache.slots, want.cache.slots)]:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(want.cache.pages.slot_len)[[1, 7]].tolist() == (lens[[1, 7]] - 1).tolist()
+    np.testing.assert_allclose(np.asarray(got.cache.k), np.asarray(want.cache.k), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got.cache.v), np.asarray(want.cache.v), atol=1e-6)

@@ -18,6 +18,7 @@ slot, then ``generate_step`` (one token per
 live slot). Batched, for a caller that keeps a host record of each slot's tokens (the
 scheduler): ``place_rows`` (a sequence enters its slot: pending token, position, response
 length, sequence id), ``prefill_slots`` (prefill many rows straight into their slots),
+``prefill_gathered`` (a few slots' rows gathered into a small batch: preempted rows back),
 ``share_prompts`` (G samples of a prompt on its pages), ``generate_window`` (the
 truncated-rollout window: up to ``l`` tokens per slot in one jitted loop) and
 ``free_slots``. A batch of prompts from scratch: ``prefill_prompts`` and ``decode_prompts``.
@@ -52,6 +53,7 @@ from tppo_jax.rollout.engine_state import (
     Prefix,
     WindowResult,
 )
+from tppo_jax.rollout.paged_cache import PoolSplit
 
 Array = jax.Array
 # The columns of ``generate_step``'s ``[S, 5]`` int32 result (log-prob as float32 bits).
@@ -83,6 +85,8 @@ class DecodeEngine:
       program_mesh: the mesh the engine's programs run on (the policy's; default ``mesh``,
         else one default device): the kernels are chosen for its platform (``kernels``) and
         run per shard on it, also when the cache itself is not laid out on it.
+      reprefill_tokens: tokens per page block one ``prefill_gathered`` takes (its rows:
+        ``gather_rows``): its memory and time, whatever the slot count.
     """
 
     def __init__(self, model: nnx.Module, *, eos_ids: Sequence[int], kv_cache: str,
@@ -90,7 +94,7 @@ class DecodeEngine:
                  page_size: int = 16, num_pages: int = 0,
                  sampling: SamplingParams | None = None, seed: int = 0,
                  mesh: Mesh | None = None, attn_impl: str = "auto",
-                 program_mesh: Mesh | None = None) -> None:
+                 program_mesh: Mesh | None = None, reprefill_tokens: int = 32768) -> None:
         if kv_cache not in ("paged", "dense", "auto"):
             raise ValueError(f"kv_cache must be 'paged', 'dense' or 'auto', got {kv_cache!r}")
         kv_cache = kv_slots.resolve_kind(kv_cache)
@@ -105,6 +109,7 @@ class DecodeEngine:
         self.max_new_tokens = max_new_tokens or max_target_length
         self.num_pages = num_pages or max_slots * (max_target_length // page_size)
         self._slots, self._seed = max_slots, seed
+        self.reprefill_tokens = reprefill_tokens
         self._cache_mesh = mesh
         self._mesh = mesh or Mesh(np.asarray(jax.devices()[:1]), ("data",))
         # Every program that attends is traced on the mesh it runs on: its kernels are chosen
@@ -121,6 +126,8 @@ class DecodeEngine:
         self._prefill_fn = jax.jit(on_mesh(self._prefill_impl))
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=0)
         self._prefill_slots_fn = jax.jit(on_mesh(self._prefill_slots_impl), donate_argnums=1)
+        self._prefill_gathered_fn = jax.jit(on_mesh(self._prefill_gathered_impl),
+                                            donate_argnums=1)
         self._share_rows_fn = jax.jit(self._share_rows_impl, donate_argnums=0)
         self._place_fn = jax.jit(self._place_impl, donate_argnums=0)
         self._window_fn = jax.jit(on_mesh(self._window_impl), static_argnums=2,
@@ -319,6 +326,52 @@ class DecodeEngine:
         slot that got no pages is left untouched. ``decode_state`` is donated."""
         return self._prefill_slots_fn(params, decode_state, tokens, lengths, rows)
 
+    def _prefill_gathered_impl(self, params: EngineParams, ds: DecodeState, tokens: Array,
+                               lengths: Array, slots: Array, rows: Array
+                               ) -> tuple[DecodeState, Array]:
+        s = self._slots
+        at = jnp.where(rows, slots, s)  # padding rows: out of range, dropped
+        mask = jnp.zeros(s, bool).at[at].set(True, mode="drop")
+        upto = jnp.zeros(s, jnp.int32).at[at].set(lengths - 1, mode="drop")
+        cache, ok = kv_slots.reserve(ds.cache, mask, upto)
+        got = rows & ok[slots]
+        view = prefill(self._model(params), cache.replace(slots=slots), tokens, lengths, got)
+        cache = view.replace(slots=cache.slots)
+        last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
+        at = jnp.where(got, slots, s)
+        return ds.replace(cache=cache,
+                          next_token=ds.next_token.at[at].set(last, mode="drop"),
+                          position=ds.position.at[at].set(lengths - 1, mode="drop")), got
+
+    def prefill_gathered(self, params: EngineParams, decode_state: DecodeState, tokens: Array,
+                         lengths: Array, slots: Array, rows: Array
+                         ) -> tuple[DecodeState, Array]:
+        """``prefill_slots`` of a few slots only (paged): row ``i`` of ``tokens [R, T]`` (its
+        first ``lengths[i]`` tokens) becomes slot ``slots[i]``'s cache where ``rows [R]``
+        (False: padding, nothing written); its pages, pending token and position are set
+        as ``prefill_slots`` sets them. The cost scales with R, not with the slots (the
+        preempted rows' re-prefill). A split pool takes whole blocks: ``R = G * R_block``,
+        rows ``[g * R_block, (g+1) * R_block)`` slots of block g (``gather_rows``); arrays
+        as ``put_rows`` makes them. Returns ``(state, ok [R])``. ``decode_state`` is
+        donated."""
+        if self.kv_cache != "paged":
+            raise ValueError("prefill_gathered needs a paged cache")
+        return self._prefill_gathered_fn(params, decode_state, tokens, lengths, slots, rows)
+
+    @property
+    def page_blocks(self) -> int:
+        """Blocks the paged pool is split into (``kv_slots.new_cache``; 1: one pool)."""
+        if self.kv_cache != "paged" or self._cache_mesh is None:
+            return 1
+        c = self.config
+        return PoolSplit.make(self._cache_mesh, self._slots, c.num_kv_heads, c.num_heads).groups
+
+    def gather_rows(self, width: int) -> int:
+        """Rows per page block of one ``prefill_gathered`` of ``width`` columns: as many as
+        ``reprefill_tokens`` tokens hold (at least one, at most the block's slots)."""
+        per_block = self._slots // self.page_blocks
+        return max(1, min(per_block, self.reprefill_tokens // max(int(width), 1)))
+
     def _share_rows_impl(self, ds: DecodeState, src: Array, dst: Array, seq_ids: Array
                          ) -> tuple[DecodeState, Array]:
         cache = kv_slots.free(ds.cache, dst)
@@ -413,10 +466,12 @@ class DecodeEngine:
 
     def lowered(self, op: str, *args: Any) -> Any:
         """The jitted program of ``op`` (``prefill_slots``: ``(params, state, tokens,
-        lengths, rows)``; ``generate_window``: ``(state, params, num_steps, budget,
+        lengths, rows)``; ``prefill_gathered``: ``(params, state, tokens, lengths, slots,
+        rows)``; ``generate_window``: ``(state, params, num_steps, budget,
         first)``) lowered for ``args``, abstract arrays allowed: what ``tppo_jax.compile``
         compiles ahead of time for a TPU topology."""
-        fns = {"prefill_slots": self._prefill_slots_fn, "generate_window": self._window_fn}
+        fns = {"prefill_slots": self._prefill_slots_fn, "generate_window": self._window_fn,
+               "prefill_gathered": self._prefill_gathered_fn}
         if op not in fns:
             raise ValueError(f"op must be one of {sorted(fns)}, got {op!r}")
         return fns[op].lower(*args)

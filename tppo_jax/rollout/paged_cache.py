@@ -120,7 +120,9 @@ class PagedKVCache:
       slots: ``[B]`` int32, the slot each batch row reads and writes.
       impl: static paged-attention implementation for decode (see the kernels module).
       split: static ``PoolSplit`` (pool cut into per-shard blocks, page ids local to the
-        block; then every batch is all ``S`` slots in order) or None (one pool).
+        block; then a batch is G equal parts, part g slots of block g: all ``S`` slots in
+        order, or a few of each block's, ``DecodeEngine.prefill_gathered``) or None (one
+        pool).
     """
 
     pages: pg.PageState
@@ -151,9 +153,9 @@ class PagedKVCache:
                 layer_idx, current_mesh())
             return out, self.replace(pages=pages, k=k_all, v=v_all)
         sp = self.split
-        if q.shape[0] != self.pages.num_slots:
-            raise ValueError(f"a split paged pool decodes all {self.pages.num_slots} slots at "
-                             f"once, got a batch of {q.shape[0]}")
+        if q.shape[0] % sp.groups:
+            raise ValueError(f"a split paged pool takes a batch of whole blocks (a multiple "
+                             f"of {sp.groups} rows), got {q.shape[0]}")
 
         def local(pages, k_pool, v_pool, slots, q, k, v, positions, valid, layer_idx):
             slots = slots - sp.block_index() * pages.num_slots  # global -> block-local

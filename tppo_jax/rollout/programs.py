@@ -1,7 +1,8 @@
 """The decode engine's programs with the arguments they run on: the engine's program table,
 read by the compile path (``tppo plan --compile``) and the accelerator benchmark.
 
-``prefill_slots`` (a batched prefill into the slots) and ``generate_window`` (one window of
+``prefill_slots`` (a batched prefill into the slots), ``prefill_gathered`` (a few slots'
+rows: the preempted rows' re-prefill) and ``generate_window`` (one window of
 up to ``l`` tokens per slot: the decode core's loop) are the engine's own jitted programs,
 reached through its public ``DecodeEngine.lowered``: they are traced on the engine's program
 mesh, so their kernels are those of that mesh's platform (``kernels.choice``: the TPU
@@ -73,6 +74,21 @@ def prefill_program(engine: DecodeEngine, params: EngineParams, state: DecodeSta
                    args, {"slots": engine.max_slots, "width": width}, holds)
 
 
+def gathered_program(engine: DecodeEngine, params: EngineParams, state: DecodeState,
+                     width: int, *, name: str, kind: str, mesh: Any,
+                     holds: tuple[str, ...] = ()) -> Program:
+    """``prefill_gathered`` of ``engine.gather_rows(width)`` rows per page block at ``width``
+    columns into their slots of ``state`` (the preempted rows' re-prefill)."""
+    rows = engine.page_blocks * engine.gather_rows(width)
+    sh = None if mesh is None else NamedSharding(mesh, logical_to_spec(("batch",)))
+    arg = lambda dtype, *shape: jax.ShapeDtypeStruct((rows, *shape), dtype,  # noqa: E731
+                                                     sharding=sh)
+    args = (params, state, arg(jnp.int32, width), arg(jnp.int32), arg(jnp.int32),
+            arg(jnp.bool_))
+    return Program(name, kind, Lowering(lambda *a: engine.lowered("prefill_gathered", *a)),
+                   args, {"slots": engine.max_slots, "rows": rows, "width": width}, holds)
+
+
 def window_program(engine: DecodeEngine, params: EngineParams, state: DecodeState,
                    window: int, *, name: str, kind: str, mesh: Any,
                    holds: tuple[str, ...] = ()) -> Program:
@@ -83,4 +99,5 @@ def window_program(engine: DecodeEngine, params: EngineParams, state: DecodeStat
                    args, {"slots": engine.max_slots, "window": window}, holds)
 
 
-__all__ = ["abstract_decode_state", "abstract_params", "prefill_program", "window_program"]
+__all__ = ["abstract_decode_state", "abstract_params", "gathered_program", "prefill_program",
+           "window_program"]

@@ -327,6 +327,44 @@ class TruncatedRolloutScheduler:
         return self.engine.prefill_slots(self.params, self.ds, self._put(st.tokens[:, :width]),
                                          self._put(st.total_len), self._put(rows))
 
+    def _reprefill(self, rows: np.ndarray) -> np.ndarray:
+        """Preempted ``rows`` back into their own slots' pages: gathered into small batches
+        of ``engine.gather_rows`` rows per page block (``DecodeEngine.prefill_gathered``),
+        longest first, each batch at its longest row's width bucket (over all hosts: every
+        host makes the same calls), so the cost scales with the rows, not the slots.
+        Returns ``ok [B]``: the rows that got their pages."""
+        st, eng = self.state, self.engine
+        blocks = kv_slots.host_blocks(self.ds.cache)
+        per = self.B // blocks
+        lo = jax.process_index() * self.B  # this host's first slot
+        queues = []
+        for b in range(blocks):
+            r = np.flatnonzero(rows[b * per:(b + 1) * per]) + b * per
+            queues.append(list(r[np.argsort(-st.total_len[r], kind="stable")]))
+        ok = np.zeros(self.B, bool)
+        while True:
+            longest = max((int(st.total_len[q[0]]) for q in queues if q), default=0)
+            longest = int(max_over_hosts({"len": longest})["len"])
+            if not longest:
+                return ok
+            width = bucket_width(longest, st.tokens.shape[1])
+            n = eng.gather_rows(width)
+            pick = np.full((blocks, n), -1, np.int64)
+            for b, q in enumerate(queues):
+                take, q[:] = q[:n], q[n:]
+                pick[b, :len(take)] = take
+            real = (pick >= 0).ravel()
+            # padding rows name a slot of their block (nothing written there)
+            at = np.where(pick >= 0, pick, (np.arange(blocks) * per)[:, None]).ravel()
+            self.ds, got = eng.prefill_gathered(
+                self.params, self.ds, self._put(st.tokens[at, :width]),
+                self._put(st.total_len[at]), self._put((at + lo).astype(np.int32)),
+                self._put(real))
+            got = tree_to_host(got)
+            if got.shape[0] != at.shape[0]:  # replicated: every host's rows
+                got = got[jax.process_index() * at.shape[0]:][:at.shape[0]]
+            ok[at[real]] = got[real]
+
     def _count(self, key: str, n: float = 1.0) -> None:
         """Adds ``n`` to this step's ``key`` and to the run's total of it."""
         self.step_stats[key] = self.step_stats.get(key, 0.0) + n
@@ -451,8 +489,7 @@ class TruncatedRolloutScheduler:
                 self._count("preempted", float(preempt.sum()))
             if self._any(readmit):
                 self._place(readmit)
-                self.ds, ok = self._prefill_rows(readmit)
-                if not self._host_rows(ok)[readmit].all():
+                if not self._reprefill(readmit)[readmit].all():
                     raise RuntimeError("KV pages ran out during a re-prefill the page plan "
                                        "allowed")
                 self.waiting &= ~readmit
