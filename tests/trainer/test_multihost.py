@@ -216,6 +216,9 @@ def test_paged_cache_with_several_processes_needs_pages_per_shard():
         validate(load_config("smoke", [*base, "rollout.num_pages=402"]), num_devices=8,
                  num_processes=2)
     with pytest.raises(ConfigError, match="leaves 2 pages per shard; .* window need 7"):
+        validate(load_config("smoke", [*base, "rollout.num_pages=8", "rollout.page_alloc=window"]),
+                 num_devices=8, num_processes=2)
+    with pytest.raises(ConfigError, match="page_alloc=on_demand one row at full length"):
         validate(load_config("smoke", [*base, "rollout.num_pages=8"]), num_devices=8,
                  num_processes=2)
 

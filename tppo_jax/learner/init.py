@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from tppo_jax.learner.losses import LearnerConfig
@@ -52,17 +53,19 @@ def init_state(policy: Any, value: Any, cfg: LearnerConfig, *,
     """The state training starts from: the policy's and the critic's params (pure dicts;
     ``value`` None for a critic-free estimator) as masters (``master_params``) and their
     optimizers' fresh states over what trains (``trainable``: ``Learner``'s). With ``mesh``
-    the optimizers' leaves that live off it (step counts) are put on it, replicated
-    (``commit_to_mesh``), as a jitted step hands them back."""
+    the leaves that live off it (the optimizers' step counts, the state's step) are put on
+    it, replicated (``commit_to_mesh``), as a jitted step hands them back."""
     keep_p, keep_v = trainable
     pm = master_params(policy, keep_p, cfg.param_dtype)
     vm = None if value is None else master_params(value, keep_v, cfg.param_dtype)
     popt = policy_optimizer(cfg.optim).init(trained_part(pm, keep_p))
     vopt = None if vm is None else value_optimizer(cfg.optim).init(trained_part(vm, keep_v))
+    step = jnp.asarray(0, jnp.int32)
     if mesh is not None:
         popt = commit_to_mesh(popt, mesh)
         vopt = None if vopt is None else commit_to_mesh(vopt, mesh)
-    return TrainState(pm, vm, popt, vopt)
+        step = commit_to_mesh(step, mesh)
+    return TrainState(pm, vm, popt, vopt, step)
 
 
 def _placed_like(shapes: Any, params: Any) -> Any:
