@@ -7,6 +7,7 @@ import logging
 import resource
 import signal
 import threading
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -136,7 +137,7 @@ def test_failed_write_stops_with_one_line_and_keeps_the_previous_step(tmp_path, 
            for k in ITEMS}  # random: incompressible
     # The OS refuses to grow any file past 64 KiB (what a full disk does to the next write):
     # a real write failure inside Orbax/TensorStore, not a mock.
-    threads = threading.active_count()
+    before = set(threading.enumerate())
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, hard))
@@ -159,7 +160,13 @@ def test_failed_write_stops_with_one_line_and_keeps_the_previous_step(tmp_path, 
         logging.getLogger("asyncio").error("another problem")
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == ["another problem"]
     ck.close()
-    assert threading.active_count() <= threads  # Orbax's writer threads ended first
+    # Orbax's writer threads ended first: every thread started during the save is gone
+    # (a few seconds' grace for one that is finishing; threads of earlier tests are not ours)
+    deadline = time.monotonic() + 10
+    while (left := [t for t in threading.enumerate() if t not in before and t.is_alive()]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, [t.name for t in left]
     leftovers = [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("2")]
     assert leftovers == []
     ck = Checkpointer(tmp_path / "ckpt", every=1, keep=5)
