@@ -92,3 +92,19 @@ def batch_and_targets(arrays: dict[str, Any]) -> tuple[TrainBatch, Targets]:
                       positive_mask=get("positive_mask"), values_old=get("values_old"),
                       lam=jnp.ones(b, jnp.float32))
     return batch, targets
+
+
+def finished_rows(rng: np.random.Generator, lens: np.ndarray, p: int, n: int, *,
+                  reward: Any, correct: Any, **fields: Any) -> TrainBatch:
+    """A batch of finished rows: prompts of ``p`` tokens, responses of ``lens`` in a buffer of
+    ``p + n``, token ids drawn from ``rng`` (after whatever the caller drew), log-probs 0."""
+    import jax.numpy as jnp
+
+    b, s = len(lens), p + n
+    return TrainBatch(
+        tokens=jnp.asarray(rng.integers(2, 30, size=(b, s)), jnp.int32),
+        attn=jnp.asarray(np.arange(s)[None] < (p + lens)[:, None]),
+        sample_logprobs=jnp.zeros((b, s), jnp.float32),
+        prompt_len=jnp.full((b,), p, jnp.int32), window_start=jnp.full((b,), p, jnp.int32),
+        window_len=jnp.asarray(lens, jnp.int32), finished=jnp.ones((b,), bool),
+        reward=reward, correct=correct, **fields)

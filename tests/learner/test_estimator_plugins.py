@@ -6,25 +6,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracles import finished_rows
 
 from tppo_jax import cli
 from tppo_jax.config import AlgoConfig, ConfigError, load_config
-from tppo_jax.learner import ESTIMATORS, TrainBatch, compute_targets, resolve_estimator
+from tppo_jax.learner import ESTIMATORS, compute_targets, resolve_estimator
 from tppo_jax.learner.estimators import needs_critic
 
 
 def _batch(b=4, p=3, n=6):
     rng = np.random.default_rng(0)
-    s, lens = p + n, rng.integers(2, n + 1, size=b)
-    return TrainBatch(
-        tokens=jnp.asarray(rng.integers(2, 30, size=(b, s)), jnp.int32),
-        attn=jnp.asarray(np.arange(s)[None] < (p + lens)[:, None]),
-        sample_logprobs=jnp.zeros((b, s), jnp.float32),
-        prompt_len=jnp.full((b,), p, jnp.int32), window_start=jnp.full((b,), p, jnp.int32),
-        window_len=jnp.asarray(lens, jnp.int32), finished=jnp.ones((b,), bool),
-        reward=jnp.asarray([1.0, 0.0, 1.0, 0.0], jnp.float32),
-        correct=jnp.asarray([1, 0, 1, 0], bool),
-    ), jnp.asarray(rng.normal(size=(b, s)), jnp.float32)
+    lens = rng.integers(2, n + 1, size=b)
+    batch = finished_rows(rng, lens, p, n, reward=jnp.asarray([1.0, 0.0, 1.0, 0.0], jnp.float32),
+                          correct=jnp.asarray([1, 0, 1, 0], bool))
+    return batch, jnp.asarray(rng.normal(size=(b, p + n)), jnp.float32)
 
 
 def test_an_estimator_named_by_its_module_is_the_one_the_targets_read(tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from oracles import policy_token_logprobs, row_plan_of
+from oracles import finished_rows, policy_token_logprobs, row_plan_of
 
 from tppo_jax import algo
 from tppo_jax.config import AlgoConfig, Config, ModelSettings, OptimConfig
@@ -33,15 +33,9 @@ def _models(dtype, **kw):
 
 def _batch(b=8, p=3, n=9, seed=0):
     rng = np.random.default_rng(seed)
-    s = p + n
     lens = rng.integers(3, n + 1, size=b)
-    return TrainBatch(
-        tokens=jnp.asarray(rng.integers(2, 30, size=(b, s)), jnp.int32),
-        attn=jnp.asarray(np.arange(s)[None] < (p + lens)[:, None]),
-        sample_logprobs=jnp.zeros((b, s), jnp.float32),
-        prompt_len=jnp.full((b,), p, jnp.int32), window_start=jnp.full((b,), p, jnp.int32),
-        window_len=jnp.asarray(lens, jnp.int32), finished=jnp.ones((b,), bool),
-        reward=jnp.asarray(np.arange(b) % 2, jnp.float32), correct=jnp.arange(b) % 2 == 1)
+    return finished_rows(rng, lens, p, n, reward=jnp.asarray(np.arange(b) % 2, jnp.float32),
+                         correct=jnp.arange(b) % 2 == 1)
 
 
 def _run_cfg(dtype, param_dtype="float32", lr=1e-6, **algo_kw):

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx, struct
-from oracles import row_plan_of
+from oracles import finished_rows, row_plan_of
 
 from tppo_jax.buckets import width_buckets
 from tppo_jax.config import AlgoConfig, Config, ModelSettings, OptimConfig
@@ -41,16 +41,9 @@ def _batch(b=8, p=3, n=61, seed=0):
     """Rows of every length: the first half up to the whole buffer, the rest short (each
     minibatch, rows in order, has its own width bucket)."""
     rng = np.random.default_rng(seed)
-    s = p + n
     lens = np.concatenate([rng.integers(3, n + 1, size=b // 2), rng.integers(3, 20, b - b // 2)])
-    return TrainBatch(
-        tokens=jnp.asarray(rng.integers(2, 30, size=(b, s)), jnp.int32),
-        attn=jnp.asarray(np.arange(s)[None] < (p + lens)[:, None]),
-        sample_logprobs=jnp.zeros((b, s), jnp.float32),
-        prompt_len=jnp.full((b,), p, jnp.int32), window_start=jnp.full((b,), p, jnp.int32),
-        window_len=jnp.asarray(lens, jnp.int32), finished=jnp.ones((b,), bool),
-        reward=jnp.asarray(np.arange(b) % 2, jnp.float32), correct=jnp.arange(b) % 2 == 1,
-        group=jnp.arange(b, dtype=jnp.int32) // 2)
+    return finished_rows(rng, lens, p, n, reward=jnp.asarray(np.arange(b) % 2, jnp.float32),
+                         correct=jnp.arange(b) % 2 == 1, group=jnp.arange(b, dtype=jnp.int32) // 2)
 
 
 def _layout(tree):
