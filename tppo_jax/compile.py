@@ -184,6 +184,7 @@ def rollout_programs(cfg: Config, engine: Any, params: Any, ds: Any, dmesh: Any,
     page pool can run dry on demand, the re-prefill of preempted rows (gathered, a few per
     page block: ``DecodeEngine.prefill_gathered``) at the widest bucket (a row can be
     preempted holding up to ``max_prompt_len + max_response_len`` tokens)."""
+    from tppo_jax.rollout.kv_slots import pages_for
     from tppo_jax.rollout.programs import gathered_program, prefill_program, window_program
 
     r = cfg.rollout
@@ -194,7 +195,7 @@ def rollout_programs(cfg: Config, engine: Any, params: Any, ds: Any, dmesh: Any,
     steps = min(r.page_chunk, window) if on_demand else window
     out = [prefill_program(engine, params, ds, pw, name=f"rollout_prefill[w={pw}]",
                            kind="rollout", mesh=dmesh, holds=held)]
-    if on_demand and pw < s and 0 < r.num_pages * r.page_size < r.slots * s:
+    if on_demand and 0 < r.num_pages < r.slots * pages_for(s, r.page_size):  # can run dry
         out.append(gathered_program(engine, params, ds, s, name=f"rollout_reprefill[w={s}]",
                                     kind="rollout", mesh=dmesh, holds=held))
     win = window_program(engine, params, ds, steps, name=f"rollout_window[l={steps}]",
