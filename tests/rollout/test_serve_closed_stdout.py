@@ -27,3 +27,19 @@ def test_sigterm_stops_serve_with_a_closed_stdout(tmp_path):
             proc.wait()
     with socket.socket() as s:  # the port is free again
         s.bind(("127.0.0.1", port))
+
+
+def test_a_signal_before_or_during_the_wait_stops_it():
+    """The stop signal is not lost when it lands before ``wait()`` (right after READY), and
+    the handler takes no lock the waiting thread may hold."""
+    import threading
+
+    from tppo_jax.cli.serve import StopSignals
+
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.wait() == signal.SIGTERM
+    with StopSignals() as stop:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        assert stop.wait() == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

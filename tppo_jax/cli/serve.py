@@ -22,9 +22,9 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -243,18 +243,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except OSError as e:
             server.stop()
             return _refuse(f"HTTP port: {e}")
-        stop = threading.Event()
         # The servers stop whatever happens here: a stdout closed by the reader (`| head
         # -1`) must not leave them holding their ports after SIGTERM.
         try:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: stop.set())
-            if http is not None:
-                _say(f"OPENAI http://{http.host}:{http.port}/v1 (chat requests as "
-                     f"{chat_format(cfg, tok)})")
-            _say(f"READY serving {what} on {server.host}:{server.port} "
-                 f"({engine.max_concurrent_decodes} slots, {core.pages_total} KV pages)")
-            stop.wait()
+            with StopSignals() as stop:
+                if http is not None:
+                    _say(f"OPENAI http://{http.host}:{http.port}/v1 (chat requests as "
+                         f"{chat_format(cfg, tok)})")
+                _say(f"READY serving {what} on {server.host}:{server.port} "
+                     f"({engine.max_concurrent_decodes} slots, {core.pages_total} KV pages)")
+                stop.wait()
             _say("stopping")
         finally:
             if http is not None:
@@ -264,6 +262,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+class StopSignals:
+    """SIGINT / SIGTERM, waited for without a lock in the handler: the signal's byte reaches
+    a socket through ``signal.set_wakeup_fd`` and ``wait`` reads it. (A handler that sets a
+    ``threading.Event`` deadlocks when the signal lands while the main thread holds that
+    Event's lock inside ``wait()``, as a SIGTERM sent right after READY can.)"""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self) -> StopSignals:
+        self._read, self._write = socket.socketpair()
+        self._write.setblocking(False)
+        self._old_fd = signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
+        self._old = {s: signal.signal(s, lambda *_: None) for s in self.SIGNALS}
+        return self
+
+    def wait(self) -> int:
+        """Blocks until SIGINT or SIGTERM arrives (after ``__enter__``); returns it."""
+        while True:
+            data = self._read.recv(64)
+            for signum in data:
+                if signum in self.SIGNALS:
+                    return signum
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        signal.set_wakeup_fd(self._old_fd)
+        self._read.close()
+        self._write.close()
 
 
 def _start_http(server: Any, tok: Any, cfg: Any, host: str, port: int, name: str) -> Any:
