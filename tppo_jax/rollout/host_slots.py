@@ -33,8 +33,8 @@ class HostSlots:
     """This host's ``B`` of ``engine``'s ``slots`` slots (over all hosts) of ``length``
     positions: ``state`` (the host record), ``ds`` (the engine's decode state), the
     weights they sample from (``set_policy``) and the counts of what moved (``stats``: the
-    run's totals; ``step_stats``: this step's, host-local). ``mesh``: the engine's cache
-    mesh (per-slot arrays are global and batch-sharded on it; None: one device)."""
+    run's totals; ``step_stats``: this step's, host-local). ``mesh``: the rollout's mesh
+    (per-slot arrays go to the engine global and batch-sharded on it; None: one device)."""
 
     def __init__(self, engine: DecodeEngine, *, slots: int, length: int, mesh: Any) -> None:
         self.engine = engine
