@@ -3,7 +3,7 @@
 Before this change the scheduler prefilled new prompts (and, with ``reprefill``, every
 continuation) over the full ``[B, P + L]`` token buffer, a forward pass as wide as the longest
 possible row, once per window. Now it runs over the width bucket of the longest prefilled row
-(``TruncatedRolloutScheduler._prefill_rows``). Both are run here on the same scheduler, weights,
+(``HostSlots._prefill_rows``, the scheduler's). Both are run here on the same scheduler, weights,
 prompts and seed, T-PPO (``l``) and PPO (``l = L``), interleaved, ``--steps`` timed windows each
 after ``--warmup`` untimed ones (their compiles); the sampled tokens of the two modes must be
 identical (the trimmed prefill is exact). Writes ``results/prefill_width.json``.

@@ -23,6 +23,10 @@ length, sequence id), ``prefill_slots`` (prefill many rows straight into their s
 truncated-rollout window: up to ``l`` tokens per slot in one jitted loop) and
 ``free_slots``. A batch of prompts from scratch: ``prefill_prompts`` and ``decode_prompts``.
 
+The engine holds what a run fixes (the policy's graph, slots, limits, sampling, meshes and
+kernels) and jits ``rollout.engine_ops``, the pure functions each operation runs on the
+decode state; the state itself is ``rollout.engine_state``'s records.
+
 The decode state is the one owner of each slot's pending token, position, response length,
 liveness and ``finished`` (EOS, ``max_new_tokens`` generated, or the slot full): a caller sets
 them when a sequence enters a slot and reads them back from the window's result, never
@@ -33,6 +37,7 @@ pushes them again. Sequence ids (each one seeds its sampling stream) are minted 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -43,9 +48,10 @@ from jax.sharding import Mesh
 
 from tppo_jax.kernels.choice import kernels_for, platform_of, traced_on
 from tppo_jax.parallel.multihost import host_to_global
+from tppo_jax.rollout import engine_ops as ops
 from tppo_jax.rollout import kv_slots
 from tppo_jax.rollout import pages as pg
-from tppo_jax.rollout.decode import SamplingParams, decode_window, prefill
+from tppo_jax.rollout.decode import SamplingParams
 from tppo_jax.rollout.engine_state import (
     DecodeState,
     EngineParams,
@@ -123,18 +129,22 @@ class DecodeEngine:
         self.version = 0
         self._next_seq = 0
         on_mesh = lambda fn: traced_on(fn, self._program_mesh)  # noqa: E731
-        self._prefill_fn = jax.jit(on_mesh(self._prefill_impl))
-        self._insert_fn = jax.jit(self._insert_impl, donate_argnums=0)
-        self._prefill_slots_fn = jax.jit(on_mesh(self._prefill_slots_impl), donate_argnums=1)
-        self._prefill_gathered_fn = jax.jit(on_mesh(self._prefill_gathered_impl),
+        graph = self._graphdef
+        limits = dict(max_target_length=self.max_target_length,
+                      max_new_tokens=self.max_new_tokens, eos_ids=self.eos_ids,
+                      sampling=self.sampling)
+        self._prefill_fn = jax.jit(on_mesh(partial(ops.prefill_one, graph)))
+        self._insert_fn = jax.jit(ops.insert, donate_argnums=0)
+        self._prefill_slots_fn = jax.jit(on_mesh(partial(ops.prefill_slots, graph)),
+                                         donate_argnums=1)
+        self._prefill_gathered_fn = jax.jit(on_mesh(partial(ops.prefill_gathered, graph)),
                                             donate_argnums=1)
-        self._share_rows_fn = jax.jit(self._share_rows_impl, donate_argnums=0)
-        self._place_fn = jax.jit(self._place_impl, donate_argnums=0)
-        self._window_fn = jax.jit(on_mesh(self._window_impl), static_argnums=2,
-                                  donate_argnums=0)
-        self._step_fn = jax.jit(on_mesh(self._step_impl), donate_argnums=0)
-        self._free_fn = jax.jit(lambda ds, m: ds.replace(cache=kv_slots.free(ds.cache, m),
-                                                         live=ds.live & ~m))
+        self._share_rows_fn = jax.jit(ops.share_rows, donate_argnums=0)
+        self._place_fn = jax.jit(ops.place, donate_argnums=0)
+        self._window_fn = jax.jit(on_mesh(partial(ops.window, graph, **limits)),
+                                  static_argnums=2, donate_argnums=0)
+        self._step_fn = jax.jit(on_mesh(partial(ops.step, graph, **limits)), donate_argnums=0)
+        self._free_fn = jax.jit(ops.free)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -204,9 +214,6 @@ class DecodeEngine:
     def _default_temperature(self) -> float:
         return 0.0 if self.sampling.greedy else self.sampling.temperature
 
-    def _model(self, params: EngineParams) -> nnx.Module:
-        return nnx.merge(self._graphdef, params.state)
-
     @property
     def next_seq(self) -> int:
         """How many sequence ids this host has minted (a checkpoint saves it)."""
@@ -223,14 +230,6 @@ class DecodeEngine:
         self._next_seq += n
         return (k * jax.process_count() + jax.process_index()).astype(np.uint32)
 
-    def _place_impl(self, ds: DecodeState, rows: Array, next_token: Array, position: Array,
-                    generated: Array, seq_id: Array) -> DecodeState:
-        at = lambda new, old: jnp.where(rows, new, old)  # noqa: E731
-        return ds.replace(next_token=at(next_token, ds.next_token),
-                          position=at(position, ds.position),
-                          generated=at(generated, ds.generated), seq_id=at(seq_id, ds.seq_id),
-                          live=ds.live | rows)
-
     def place_rows(self, decode_state: DecodeState, rows: Array, *, next_token: Array,
                    position: Array, generated: Array, seq_id: Array) -> DecodeState:
         """Sequences enter the slots of ``rows [S]``: each one's pending token, its position
@@ -242,15 +241,6 @@ class DecodeEngine:
                               seq_id.astype(jnp.uint32))
 
     # ------------------------------------------------------------------ prefill / insert
-    def _prefill_impl(self, params: EngineParams, tokens: Array, true_length: Array) -> Prefix:
-        model = self._model(params)
-        p = tokens.shape[0]
-        cache = prefill(model, model.init_cache(1, p), tokens[None].astype(jnp.int32),
-                        true_length[None], jnp.ones(1, bool))
-        n = jnp.clip(true_length - 1, 0, p - 1)
-        return Prefix(k=cache.k[:, 0], v=cache.v[:, 0], length=n,
-                      next_token=tokens[n].astype(jnp.int32))
-
     def prefill(self, params: EngineParams, padded_tokens: Array | np.ndarray,
                 true_length: int) -> Prefix:
         """One prompt: caches ``padded_tokens[:true_length - 1]`` (``[P]``; a fixed set of
@@ -258,21 +248,6 @@ class DecodeEngine:
         tokens = jnp.asarray(padded_tokens, jnp.int32)
         true_length = max(1, min(int(true_length), tokens.shape[0]))
         return self._prefill_fn(params, tokens, jnp.int32(true_length))
-
-    def _insert_impl(self, ds: DecodeState, prefix: Prefix, slot: Array, seq_id: Array,
-                     temperature: Array, top_p: Array) -> tuple[DecodeState, Array]:
-        mask = jnp.arange(self._slots) == slot
-        cache = kv_slots.free(ds.cache, mask)  # a slot may be reused without a free
-        cache, ok = kv_slots.reserve(cache, mask, jnp.where(mask, prefix.length, 0))
-        ok = ok[slot]
-        cache = kv_slots.write_prefix(cache, prefix.k, prefix.v, prefix.length, slot, ok)
-        at = lambda x, val: x.at[slot].set(val)  # noqa: E731
-        return ds.replace(cache=cache, next_token=at(ds.next_token, prefix.next_token),
-                          position=at(ds.position, jnp.where(ok, prefix.length, 0)),
-                          live=at(ds.live, ok), generated=at(ds.generated, 0),
-                          seq_id=at(ds.seq_id, seq_id),
-                          temperature=at(ds.temperature, temperature),
-                          top_p=at(ds.top_p, top_p)), ok
 
     def _new_seq(self, seq_id: int | None) -> Array:
         return jnp.uint32(self.new_seq_ids(1)[0] if seq_id is None else seq_id)
@@ -309,15 +284,6 @@ class DecodeEngine:
             f"KV page pool exhausted: slot {slot} needs {need} pages, "
             f"{self.num_pages - self.pages_in_use(ds)} free of {self.num_pages}", ds)
 
-    def _prefill_slots_impl(self, params: EngineParams, ds: DecodeState, tokens: Array,
-                            lengths: Array, rows: Array) -> tuple[DecodeState, Array]:
-        cache, ok = kv_slots.reserve(ds.cache, rows, jnp.where(rows, lengths - 1, 0))
-        rows = rows & ok
-        cache = prefill(self._model(params), cache, tokens, lengths, rows)
-        last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
-        return ds.replace(cache=cache, next_token=jnp.where(rows, last, ds.next_token),
-                          position=jnp.where(rows, lengths - 1, ds.position)), ok
-
     def prefill_slots(self, params: EngineParams, decode_state: DecodeState, tokens: Array,
                       lengths: Array, rows: Array) -> tuple[DecodeState, Array]:
         """Batched prefill straight into the slots: row ``r`` of ``tokens [S, T]`` (its first
@@ -325,23 +291,6 @@ class DecodeEngine:
         or continuations re-prefilled under new weights). Returns ``(state, ok [S])``; a paged
         slot that got no pages is left untouched. ``decode_state`` is donated."""
         return self._prefill_slots_fn(params, decode_state, tokens, lengths, rows)
-
-    def _prefill_gathered_impl(self, params: EngineParams, ds: DecodeState, tokens: Array,
-                               lengths: Array, slots: Array, rows: Array
-                               ) -> tuple[DecodeState, Array]:
-        s = self._slots
-        at = jnp.where(rows, slots, s)  # padding rows: out of range, dropped
-        mask = jnp.zeros(s, bool).at[at].set(True, mode="drop")
-        upto = jnp.zeros(s, jnp.int32).at[at].set(lengths - 1, mode="drop")
-        cache, ok = kv_slots.reserve(ds.cache, mask, upto)
-        got = rows & ok[slots]
-        view = prefill(self._model(params), cache.replace(slots=slots), tokens, lengths, got)
-        cache = view.replace(slots=cache.slots)
-        last = jnp.take_along_axis(tokens, jnp.maximum(lengths - 1, 0)[:, None], axis=1)[:, 0]
-        at = jnp.where(got, slots, s)
-        return ds.replace(cache=cache,
-                          next_token=ds.next_token.at[at].set(last, mode="drop"),
-                          position=ds.position.at[at].set(lengths - 1, mode="drop")), got
 
     def prefill_gathered(self, params: EngineParams, decode_state: DecodeState, tokens: Array,
                          lengths: Array, slots: Array, rows: Array
@@ -372,20 +321,6 @@ class DecodeEngine:
         per_block = self._slots // self.page_blocks
         return max(1, min(per_block, self.reprefill_tokens // max(int(width), 1)))
 
-    def _share_rows_impl(self, ds: DecodeState, src: Array, dst: Array, seq_ids: Array
-                         ) -> tuple[DecodeState, Array]:
-        cache = kv_slots.free(ds.cache, dst)
-        cache, ok, src_of = kv_slots.share_prompts(cache, src, dst)
-        got = dst & ok
-        return ds.replace(
-            cache=cache, live=jnp.where(dst, got, ds.live),
-            next_token=jnp.where(got, ds.next_token[src_of], ds.next_token),
-            position=jnp.where(got, ds.position[src_of], ds.position),
-            generated=jnp.where(got, 0, ds.generated),
-            seq_id=jnp.where(got, seq_ids, ds.seq_id),
-            temperature=jnp.where(got, ds.temperature[src_of], ds.temperature),
-            top_p=jnp.where(got, ds.top_p[src_of], ds.top_p)), ok
-
     def share_prompts(self, decode_state: DecodeState, src: Array, dst: Array,
                       seq_ids: Array) -> tuple[DecodeState, Array]:
         """Paged, one prompt per page block (``kv_slots.share_prompts``): in each block the
@@ -405,30 +340,6 @@ class DecodeEngine:
         return self._free_fn(decode_state, jnp.asarray(mask))
 
     # ------------------------------------------------------------------ decode
-    def _window_impl(self, ds: DecodeState, params: EngineParams, num_steps: int,
-                     budget: Array, first: Array) -> tuple[DecodeState, WindowResult]:
-        room = jnp.clip(jnp.minimum(self.max_target_length - ds.position,
-                                    self.max_new_tokens - ds.generated), 0, num_steps)
-        n = jnp.minimum(budget, room)
-        want = ds.live & (n > 0)
-        cache, ok = kv_slots.reserve_window(ds.cache, ds.position + n, want & first,
-                                            want & ~first)
-        n = jnp.where(want & ok, n, 0)
-        out, cache = decode_window(self._model(params), cache, ds.next_token, ds.position,
-                                   ds.generated, ds.seq_id, n, ds.rng, window=num_steps,
-                                   eos_ids=self.eos_ids, params=self.sampling,
-                                   row_sampling=(ds.temperature, ds.top_p))
-        last = jnp.take_along_axis(out.tokens, jnp.maximum(out.count - 1, 0)[:, None], 1)[:, 0]
-        position, generated = ds.position + out.count, ds.generated + out.count
-        finished = ds.live & (out.hit_eos | (position >= self.max_target_length)
-                              | (generated >= self.max_new_tokens))
-        ds = ds.replace(cache=kv_slots.free(cache, finished), live=ds.live & ~finished,
-                        next_token=jnp.where(out.count > 0, last, ds.next_token),
-                        position=position, generated=generated)
-        return ds, WindowResult(out.tokens, out.logprobs, out.count, out.hit_eos, finished,
-                                want & ~ok, params.version, out.steps, out.top_ids,
-                                out.top_logprobs)
-
     def generate_window(self, decode_state: DecodeState, params: EngineParams, num_steps: int,
                         budget: Array | None = None, first: Array | None = None
                         ) -> tuple[DecodeState, WindowResult]:
@@ -440,20 +351,6 @@ class DecodeEngine:
         budget = jnp.full(s, num_steps, jnp.int32) if budget is None else budget
         first = jnp.zeros(s, bool) if first is None else first
         return self._window_fn(decode_state, params, int(num_steps), budget, first)
-
-    def _step_impl(self, ds: DecodeState, params: EngineParams) -> tuple[DecodeState, Array]:
-        s = self._slots
-        ds, res = self._window_impl(ds, params, 1, jnp.ones(s, jnp.int32), jnp.zeros(s, bool))
-        # No page left: the slot ends (invalid token) so a server closes the request instead
-        # of stalling every slot behind it.
-        ds = ds.replace(cache=kv_slots.free(ds.cache, res.stalled), live=ds.live & ~res.stalled)
-        run = res.count > 0
-        data = jnp.stack([res.tokens[:, 0], run.astype(jnp.int32), ds.generated,
-                          jax.lax.bitcast_convert_type(res.logprobs[:, 0], jnp.int32),
-                          jnp.broadcast_to(params.version, run.shape)], axis=1)
-        # Per-row sampling with top_logprobs N: N ids, then N log-probs (float32 bits).
-        top = [res.top_ids[:, 0], jax.lax.bitcast_convert_type(res.top_logprobs[:, 0], jnp.int32)]
-        return ds, jnp.concatenate([data] + top, axis=1)
 
     def generate_step(self, params: EngineParams, decode_state: DecodeState
                       ) -> tuple[DecodeState, Array]:
