@@ -104,8 +104,10 @@ def _check_blocks(pages: dict, blocks: int) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """The module's runs folder: its runs share one warm-start cache (trained by the first
-    two-process run, reused by the others)."""
+    """The runs folder of the module's default-shape runs (dense cache, max_prompt_len 96):
+    they share one warm-start cache, trained by the first, reused by the others. (The
+    paged run's max_prompt_len=48 trains other warm-start weights under the same cache key,
+    so it keeps its own.)"""
     return tmp_path_factory.mktemp("mh-runs")
 
 
@@ -152,8 +154,8 @@ def test_two_processes_train_and_agree_dense(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_processes_train_resume_and_agree_paged(runs, tmp_path):
-    run = runs / "mh-paged"
+def test_two_processes_train_resume_and_agree_paged(tmp_path):
+    run = tmp_path / "runs" / "mh-paged"
     # 7 pages per block of 2 slots (one row at full length): rows are preempted and
     # re-prefilled, resumed with rows preempted when saved
     kv = ["rollout.kv_cache=paged", "rollout.max_prompt_len=48", "rollout.num_pages=28",
