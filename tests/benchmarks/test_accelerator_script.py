@@ -27,10 +27,17 @@ def _check(res: dict) -> None:
     assert "skipped" in hf or hf.get("static", {}).get("tokens_per_s", 0) > 0
 
 
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory) -> Path:
+    """The module's accelerator venv (gpu.sh creates it on first use): one venv, not one a
+    test."""
+    return tmp_path_factory.mktemp("accel") / "venv"
+
+
 @pytest.mark.slow
-def test_gpu_script_cpu_path(tmp_path):
+def test_gpu_script_cpu_path(tmp_path, venv):
     env = dict(os.environ, PYTHON=sys.executable, TPPO_BACKEND="cpu",
-               TPPO_ACCEL_VENV=str(tmp_path / "venv"))
+               TPPO_ACCEL_VENV=str(venv))
     out = tmp_path / "results"
     proc = subprocess.run([str(REPO / "benchmarks" / "gpu.sh"), *TINY, "--no-hf",
                            "--out", str(out)], env=env, capture_output=True, text=True,
@@ -38,23 +45,26 @@ def test_gpu_script_cpu_path(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     _check(json.loads((out / "accelerator_cpu.json").read_text()))
     # Any benchmark through the same installed venv: T-PPO vs PPO, two steps of the smoke
-    # config (the command gpu.sh gives for the long tail, made small).
+    # config (the command gpu.sh gives for the long tail, made small: held-out evals of 8
+    # questions, one sample each).
     proc = subprocess.run([str(REPO / "benchmarks" / "gpu.sh"), "--config", "smoke",
                            "--seeds", "1", "--target", "100", "--max-steps", "2",
-                           "--eval-every", "1", "--out", str(out)],
+                           "--eval-every", "1", "--out", str(out),
+                           "data.eval_size=8", "train.eval_samples=1"],
                           env=dict(env, TPPO_BENCH="tppo-vs-ppo", TPPO_BENCH_TIMEOUT="600"),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((out / "tppo_vs_ppo_smoke.json").read_text())
     assert res["config"] == "smoke" and res["window"] == 16 and res["L"] == 64
+    assert res["overrides"] == ["data.eval_size=8", "train.eval_samples=1"]
     for method in ("tppo", "ppo"):
         assert res["seeds"]["0"][method]["steps"] == 2, res["seeds"]["0"][method]
     assert res["seeds"]["0"]["speedup_ceiling"] >= 1.0
 
 
-@pytest.mark.slow  # ~40 s: creates a venv
-def test_gpu_script_refuses_the_wrong_backend(tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable, TPPO_ACCEL_VENV=str(tmp_path / "venv"))
+@pytest.mark.slow  # creates the venv when it runs first
+def test_gpu_script_refuses_the_wrong_backend(venv):
+    env = dict(os.environ, PYTHON=sys.executable, TPPO_ACCEL_VENV=str(venv))
     proc = subprocess.run([str(REPO / "benchmarks" / "gpu.sh")], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0

@@ -3,25 +3,27 @@ CLI with the multi-host flags, then a digest of the final checkpoint's params.
 
 The digest is taken after restoring the checkpoint as global arrays on this process's
 mesh and gathering the full values, so equal digests mean the hosts agree on every
-parameter of the policy and value models.
+parameter of the policy and value models. With ``TPPO_TEST_DIGEST_ALL=1`` every kept
+checkpoint gets a digest line (oldest first, the final one last).
 """
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
 from tppo_jax import cli
 
 
-def params_digest(ckpt_dir: Path) -> dict:
+def params_digest(ckpt_dir: Path, step: int | None = None) -> dict:
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
     from jax.experimental import multihost_utils
 
     mngr = ocp.CheckpointManager(ckpt_dir)
-    step = mngr.latest_step()
+    step = mngr.latest_step() if step is None else step
     out = {"step": step}
     for item in ("policy", "value"):
         tree = mngr.restore(step, args=ocp.args.Composite(
@@ -54,5 +56,9 @@ if __name__ == "__main__":
     rc = cli.main(argv)
     if rc != 0:
         sys.exit(rc)
-    run_dir = Path(argv[argv.index("--run-dir") + 1])
-    print("DIGEST " + json.dumps(params_digest(run_dir / "checkpoints")), flush=True)
+    ckpts = Path(argv[argv.index("--run-dir") + 1]) / "checkpoints"
+    steps = [None]
+    if os.environ.get("TPPO_TEST_DIGEST_ALL") == "1":
+        steps = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+    for step in steps:
+        print("DIGEST " + json.dumps(params_digest(ckpts, step)), flush=True)

@@ -2,13 +2,15 @@
 (gloo collectives, coordinator on 127.0.0.1) run ``tppo train`` on the smoke config.
 
 Checks: both exit 0; they end with identical params (full gathered digests); only process
-0 wrote metrics; the per-host checkpoint state resumes with two processes. Plus fast unit
-tests of the host <-> global helpers and the start-up settings.
+0 wrote metrics; the per-host checkpoint state resumes with two processes to the params of
+the uninterrupted run. Plus fast unit tests of the host <-> global helpers and the
+start-up settings.
 """
 
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,7 +35,7 @@ def _free_port() -> int:
 
 
 def _run_two(run_dir: Path, overrides: list[str], cwd: Path, flags: tuple = (),
-             during=None) -> list[str]:
+             during=None, env: dict | None = None) -> list[str]:
     """Runs both processes to the end (``during(procs)`` is called once they started);
     returns their console output. Output goes to files: a full pipe would block one process
     while the other waits for it in a collective."""
@@ -43,7 +45,8 @@ def _run_two(run_dir: Path, overrides: list[str], cwd: Path, flags: tuple = (),
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+           **(env or {})}
     procs, logs = [], []
     try:
         for pid in range(2):
@@ -81,9 +84,10 @@ def _run_two(run_dir: Path, overrides: list[str], cwd: Path, flags: tuple = (),
     return outs
 
 
-def _digest(out: str) -> dict:
-    line = next(x for x in out.splitlines() if x.startswith("DIGEST "))
-    return json.loads(line[len("DIGEST "):])
+def _digest(out: str, step: int | None = None) -> dict:
+    """The worker's digest of checkpoint ``step`` (default: the final one, printed last)."""
+    found = [json.loads(x[len("DIGEST "):]) for x in out.splitlines() if x.startswith("DIGEST ")]
+    return found[-1] if step is None else next(d for d in found if d["step"] == step)
 
 
 def _check_blocks(pages: dict, blocks: int) -> None:
@@ -98,30 +102,39 @@ def _check_blocks(pages: dict, blocks: int) -> None:
         np.testing.assert_array_equal(count, ref[b * per_pages:(b + 1) * per_pages])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
-def test_two_processes_train_and_agree(tmp_path, kv_cache):
-    run = tmp_path / "runs" / "mh"
-    kv = [f"rollout.kv_cache={kv_cache}"]
-    if kv_cache == "paged":  # 7 pages per block of 2 slots (one row at full length): rows
-        # are preempted and re-prefilled, resumed with rows preempted when saved
-        kv += ["rollout.max_prompt_len=48", "rollout.num_pages=28", "rollout.page_chunk=8"]
-    outs = _run_two(run, ["train.steps=2", *kv], tmp_path)
-    d0, d1 = _digest(outs[0]), _digest(outs[1])
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """The runs folder of the module's default-shape runs (dense cache, max_prompt_len 96):
+    they share one warm-start cache, trained by the first, reused by the others. (The
+    paged run's max_prompt_len=48 trains other warm-start weights under the same cache key,
+    so it keeps its own.)"""
+    return tmp_path_factory.mktemp("mh-runs")
+
+
+def _train_and_check(run: Path, kv: list[str], steps: int, cwd: Path) -> tuple[dict, dict]:
+    """Two processes train ``steps`` steps uninterrupted (checkpoints at 2, by
+    checkpoint.every, and at the last); the checks of the run. Returns the digests of the
+    checkpoints of step 2 and of the last step."""
+    paged = "rollout.kv_cache=paged" in kv
+    outs = _run_two(run, [f"train.steps={steps}", *kv], cwd, env={"TPPO_TEST_DIGEST_ALL": "1"})
+    d0, d1 = _digest(outs[0], step=2), _digest(outs[1], step=2)
     assert d0 == d1, (d0, d1)
     assert d0["step"] == 2 and d0["policy_finite"] and d0["value_finite"]
+    last = _digest(outs[0])
+    assert last == _digest(outs[1]) and last["step"] == steps
     # Paged: the pool is split into 4 blocks (one per batch shard: mesh.fsdp=4, two per host).
-    assert ("kv_pages" in d0) == (kv_cache == "paged"), d0["kv_leaves"]
-    if kv_cache == "paged":
+    assert ("kv_pages" in d0) == paged, d0["kv_leaves"]
+    if paged:
         _check_blocks(d0["kv_pages"], 4)
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]  # process 0 alone writes
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # process 0 alone writes
+    rows = rows[:2]
     # Both hosts' slots were trained on: 8 slots = 2 hosts x 4.
     assert all(r["tokens"] > 0 for r in rows)
     # The scheduler's counts are summed over hosts (dense: step 1 fills all 8 slots).
     assert all(r["sched_decode_slot_steps"] > 0 for r in rows)
-    assert rows[0]["sched_admitted"] == 8 or kv_cache == "paged"
-    if kv_cache == "paged":
+    assert rows[0]["sched_admitted"] == 8 or paged
+    if paged:
         assert all(0 < r["sched_pages_in_use"] <= r["sched_pages_total"] == 28 for r in rows)
         assert sum(r["sched_preempted"] for r in rows) > 0
     meta = json.loads((run / "checkpoints" / "2" / "meta" / "metadata").read_text())
@@ -129,24 +142,44 @@ def test_two_processes_train_and_agree(tmp_path, kv_cache):
     # Each host reads its own shard of the prompts: no question is in both hosts' slots.
     q = [{e["question"] for e in h["scheduler"]["examples"].values()} for h in meta["hosts"]]
     assert q[0] and q[1] and not q[0] & q[1]
-
-    # Resume with two processes: each host takes back its own data, slots and KV cache, so
-    # step 3 is exactly the step 3 of an uninterrupted two-process run.
-    outs = _run_two(run, ["train.steps=3", *kv], tmp_path, flags=("--resume",))
-    r0, r1 = _digest(outs[0]), _digest(outs[1])
-    assert r0 == r1 and r0["step"] == 3 and r0["policy"] != d0["policy"]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    straight = _digest(_run_two(tmp_path / "runs" / "straight", ["train.steps=3", *kv],
-                                tmp_path)[0])
-    assert straight == r0
+    return d0, last
 
 
 @pytest.mark.slow
-def test_sigterm_on_one_host_stops_both_at_the_same_step(tmp_path):
+def test_two_processes_train_and_agree_dense(runs, tmp_path):
+    """Two steps. The two-process resume is the paged test's: the KV cache's save and
+    restore are one code path for both caches (``checkpoint_items`` /
+    ``restore_cache``), and the paged cache's adds the rows saved preempted."""
+    _train_and_check(runs / "mh-dense", ["rollout.kv_cache=dense"], 2, tmp_path)
+
+
+@pytest.mark.slow
+def test_two_processes_train_resume_and_agree_paged(tmp_path):
+    run = tmp_path / "runs" / "mh-paged"
+    # 7 pages per block of 2 slots (one row at full length): rows are preempted and
+    # re-prefilled, resumed with rows preempted when saved
+    kv = ["rollout.kv_cache=paged", "rollout.max_prompt_len=48", "rollout.num_pages=28",
+          "rollout.page_chunk=8"]
+    d0, straight = _train_and_check(run, kv, 3, tmp_path)
+    # Resume from step 2 with two processes (the step-3 checkpoint removed, as if the run
+    # had stopped before writing it): each host takes back its own data, slots and KV
+    # cache, so step 3 is exactly the uninterrupted run's step 3.
+    shutil.rmtree(run / "checkpoints" / "3")
+    first = (run / "metrics.jsonl").read_text().splitlines()
+    outs = _run_two(run, ["train.steps=3", *kv], tmp_path, flags=("--resume",))
+    r0, r1 = _digest(outs[0]), _digest(outs[1])
+    assert r0 == r1 and r0["step"] == 3 and r0["policy"] != d0["policy"]
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3]
+    assert lines[:2] == first[:2] and lines[2] != first[2]  # step 3 logged again, once
+    assert r0 == straight
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_host_stops_both_at_the_same_step(runs, tmp_path):
     """Preemption reaches hosts at different times; a host leaving the loop alone would
     leave the other blocked in a collective. Here only process 1 gets SIGTERM."""
-    run = tmp_path / "runs" / "pre"
+    run = runs / "pre"
 
     def preempt_process_1(procs):
         deadline = time.time() + 600

@@ -18,7 +18,10 @@ def _tppo(*args, cwd, env=None):
 @pytest.mark.slow
 def test_smoke_train_then_resume(tmp_path):
     run = tmp_path / "runs" / "smoke"
-    r = _tppo("train", "--config", "smoke", "--run-dir", str(run), "--no-progress", cwd=tmp_path)
+    # 16 held-out questions (the config's 128 make every eval below, in-run and `tppo eval`,
+    # the bulk of the test's time); the evals of the run read it from the run's config.
+    r = _tppo("train", "--config", "smoke", "--run-dir", str(run), "--no-progress",
+              "data.eval_size=16", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "held-out accuracy" in r.stdout
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -45,7 +48,7 @@ def test_smoke_train_then_resume(tmp_path):
     assert r.returncode == 2 and "--resume" in r.stderr
 
     r = _tppo("train", "--config", "smoke", "--run-dir", str(run), "--resume", "--no-progress",
-              "train.steps=6", cwd=tmp_path)
+              "data.eval_size=16", "train.steps=6", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "warm-start (SFT)" not in r.stderr
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -99,7 +102,7 @@ def test_smoke_train_then_resume(tmp_path):
     # the run with a clear error.
     bad = tmp_path / "runs" / "nan"
     r = _tppo("train", "--config", "smoke", "--run-dir", str(bad), "--no-progress",
-              "train.steps=8", "checkpoint.every=1", cwd=tmp_path,
+              "train.steps=8", "checkpoint.every=1", "data.eval_size=16", cwd=tmp_path,
               env={"TPPO_FAULT_NAN_FROM_STEP": "2"})
     assert r.returncode == 1, r.stderr[-2000:]
     assert "non-finite loss or gradient in 3 consecutive steps" in r.stderr
