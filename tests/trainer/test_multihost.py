@@ -106,8 +106,8 @@ def _check_blocks(pages: dict, blocks: int) -> None:
 def runs(tmp_path_factory) -> Path:
     """The runs folder of the module's default-shape runs (dense cache, max_prompt_len 96):
     they share one warm-start cache, trained by the first, reused by the others. (The
-    paged run's max_prompt_len=48 trains other warm-start weights under the same cache key,
-    so it keeps its own.)"""
+    paged run's max_prompt_len=48 cuts the warm-start's corpus rows shorter: another
+    warm-start, under its own key.)"""
     return tmp_path_factory.mktemp("mh-runs")
 
 
