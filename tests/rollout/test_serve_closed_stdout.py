@@ -36,10 +36,11 @@ def test_a_signal_before_or_during_the_wait_stops_it():
 
     from tppo_jax.cli.serve import StopSignals
 
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     with StopSignals() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.wait() == signal.SIGTERM
     with StopSignals() as stop:
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
         assert stop.wait() == signal.SIGINT
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
