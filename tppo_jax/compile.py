@@ -188,7 +188,7 @@ def rollout_programs(cfg: Config, engine: Any, params: Any, ds: Any, dmesh: Any,
     from tppo_jax.rollout.programs import gathered_program, prefill_program, window_program
 
     r = cfg.rollout
-    s = r.max_prompt_len + r.max_response_len
+    s = r.max_len
     pw = s if r.kv_policy == "reprefill" else bucket_width(r.max_prompt_len, s)
     window = min(r.window, r.max_response_len)
     on_demand = engine.kv_cache == "paged" and r.page_alloc == "on_demand"
@@ -244,7 +244,7 @@ def build_programs(cfg: Config, mesh: Any, only: Sequence[str] | None = None, *,
     models = abstract_models(cfg, mesh, model_config(cfg, unroll_layers, layers))
     learner, state, ref = learner_parts(cfg, mesh, models)
     live = live_state(cfg, state, ref)
-    b, s = r.slots, r.max_prompt_len + r.max_response_len
+    b, s = r.slots, r.max_len
     widths = width_buckets(s)[-1:] if widest else width_buckets(s)
     facts: dict[str, Any] = {"slots": b, "seq_len": s, "widths": widths,
                              "max_group_rows": max_group_rows(b, o.minibatches, o.grad_accum),

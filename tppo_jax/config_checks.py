@@ -266,10 +266,10 @@ def _check_rollout_and_algo(cfg: Config) -> None:
             f"algo.window_ignore_tokens ({ignore}) must be below rollout.window ({r.window}): "
             f"it leaves the last tokens of an unfinished window out of the policy loss, so "
             f"no token of one would train")
-    if r.max_prompt_len + r.max_response_len > cfg.model.max_seq_len:
+    if r.max_len > cfg.model.max_seq_len:
         raise ConfigError(
             f"rollout.max_prompt_len + rollout.max_response_len = "
-            f"{r.max_prompt_len + r.max_response_len} exceeds model.max_seq_len "
+            f"{r.max_len} exceeds model.max_seq_len "
             f"({cfg.model.max_seq_len})"
         )
     if r.slots % (o.minibatches * o.grad_accum):
@@ -295,7 +295,7 @@ def _check_rollout_and_algo(cfg: Config) -> None:
                 f"{' (rollout.kv_cache=auto is paged on TPU and GPU)' * (r.kv_cache == 'auto')}"
                 f"; raise it (0 = enough for every slot)")
         _check_full_row(r, r.num_pages, "")
-    cells = r.slots * (r.max_prompt_len + r.max_response_len)
+    cells = r.slots * r.max_len
     if cells > MAX_TOKEN_CELLS:
         raise ConfigError(
             f"rollout.prompts_per_step * rollout.group_size * (max_prompt_len + "

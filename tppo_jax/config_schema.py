@@ -79,6 +79,11 @@ class RolloutConfig:
         return self.prompts_per_step * self.group_size
 
     @property
+    def max_len(self) -> int:
+        """``S``: the tokens a slot's row holds, ``max_prompt_len + max_response_len``."""
+        return self.max_prompt_len + self.max_response_len
+
+    @property
     def num_windows(self) -> int:
         return max(1, -(-self.max_response_len // self.window))
 

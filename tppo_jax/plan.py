@@ -292,7 +292,7 @@ def plan_memory(cfg: Config, tpu: TpuType | str, arch: Arch | str | None = None
 
     policy, value, lora = _models_rows(cfg, a, mesh, bytes_)
 
-    seq = r.max_prompt_len + r.max_response_len
+    seq = r.max_len
     mb_seqs = r.slots // cfg.optim.minibatches
     seqs_per_chip = -(-mb_seqs // dp)
     tokens = seqs_per_chip * seq

@@ -85,8 +85,7 @@ def test_the_held_out_size_does_not_change_the_warmstart_key():
 def test_the_rollout_length_that_cuts_corpus_rows_joins_the_key():
     """The corpus rows are cut at max_prompt_len + max_response_len, which changes the
     weights: two lengths, two keys (the library default's keeps its shipped key)."""
-    from tppo_jax.config import Config
-    from tppo_jax.weights.warmstart import corpus_len
+    from tppo_jax.config import RolloutConfig
 
     smoke = load_config("smoke")
     shorter = load_config("smoke", ["rollout.max_prompt_len=48"])
@@ -94,5 +93,5 @@ def test_the_rollout_length_that_cuts_corpus_rows_joins_the_key():
     assert warmstart_key(load_config("smoke", ["rollout.max_response_len=128"])) != \
         warmstart_key(smoke)
     default = load_config("default")
-    assert corpus_len(default) == corpus_len(Config()) == 224
+    assert default.rollout.max_len == RolloutConfig().max_len == 224
     assert warmstart_key(default) == "5b2ab9466468"  # the shipped one's

@@ -308,7 +308,7 @@ def config_pool(config: str, num_pages: int | None = None) -> tuple[Pool, dict]:
     chips = m.data * m.fsdp * m.tensor
     blocks = chips // m.decode_tensor if m.decode_layout == "decode" else m.data * m.fsdp
     pool = Pool(slots=r.slots, blocks=blocks, page_size=r.page_size,
-                num_pages=num_pages or r.num_pages, max_len=r.max_prompt_len + r.max_response_len)
+                num_pages=num_pages or r.num_pages, max_len=r.max_len)
     return pool, {"window": r.window, "L": r.max_response_len, "kv_policy": r.kv_policy,
                   "chunk": r.page_chunk, "reserve": r.page_reserve}
 

@@ -64,7 +64,7 @@ def make_engine(model: nnx.Module, rollout: RolloutConfig, *, eos_ids: tuple[int
     split = jax.process_count() > 1 if split_pages is None else split_pages
     on_mesh = kind == "dense" or split
     return DecodeEngine(model, eos_ids=eos_ids, max_slots=r.slots,
-                        max_target_length=r.max_prompt_len + r.max_response_len,
+                        max_target_length=r.max_len,
                         max_new_tokens=r.max_response_len, kv_cache=kind,
                         page_size=r.page_size, num_pages=r.num_pages, sampling=sampling,
                         seed=seed, mesh=mesh if on_mesh else None, program_mesh=mesh)
@@ -108,7 +108,7 @@ class TruncatedRolloutScheduler(HostSlots):
         self.P, self.L = r.max_prompt_len, r.max_response_len
         self.window = min(r.window, r.max_response_len)
         self.K = r.num_windows
-        self.S = r.max_prompt_len + r.max_response_len
+        self.S = r.max_len
         self.kv_policy = r.kv_policy
         # Pages as tokens are written (``rollout.page_alloc``; a paged cache only).
         self.on_demand = self.kv_cache == "paged" and r.page_alloc == "on_demand"

@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from tppo_jax.config import Config, DataConfig
+from tppo_jax.config import Config, DataConfig, RolloutConfig
 from tppo_jax.data.prompts import SHORT_ANSWER_CUE
 from tppo_jax.data.run_data import synthetic_task
 from tppo_jax.models.hf import from_pretrained, save_pretrained
@@ -101,11 +101,11 @@ def _key(cfg: Config, on_bad_row: str) -> str:
     # The batching joins the key only when it is not the original "random", so the caches
     # (and README's keys) of configs that predate it stay valid.
     batching = [] if t.warmstart_batching == "random" else [t.warmstart_batching]
-    # The corpus rows are cut at the rollout's length (``corpus_len``), which changes the
-    # weights (the default task has rows longer than its 224); it joins the key when it is
-    # not the library default's, so the shipped warm-start's key stays what it was.
-    length = corpus_len(cfg)
-    cut = [] if length == corpus_len(Config()) else [length]
+    # The corpus rows are cut at a rollout row's length (``rollout.max_len``), which changes
+    # the weights (the default task has rows longer than its 224); it joins the key when it
+    # is not the library default's, so the shipped warm-start's key stays what it was.
+    length = cfg.rollout.max_len
+    cut = [] if length == RolloutConfig().max_len else [length]
     # The held-out set's size does not change the teacher corpus (the synthetic task's train
     # split), so a bigger eval does not retrain the warm-start.
     data = {k: v for k, v in keyed_data(cfg).items()
@@ -124,11 +124,6 @@ def _key(cfg: Config, on_bad_row: str) -> str:
                        "v": 4 if cfg.data.style == "daily" else 3},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def corpus_len(cfg: Config) -> int:
-    """The tokens a teacher-corpus row keeps (EOS included): what a rollout row holds."""
-    return cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
 
 
 def tiny_model_config(cfg: Config, vocab_size: int) -> ModelConfig:
@@ -293,7 +288,7 @@ def _train(cfg: Config, cache: Path, progress: bool) -> None:
     texts = task.teacher_corpus(TEACHER_SIZE, cfg.train.warmstart_wrong_step_frac,
                                 cfg.train.warmstart_no_format_frac)
     tok = train_sentencepiece(texts, cache / "tokenizer", vocab_size=128)
-    ids, mask = encode_corpus(tok, texts, corpus_len(cfg))
+    ids, mask = encode_corpus(tok, texts, cfg.rollout.max_len)
     mcfg = dataclasses.replace(tiny_model_config(cfg, tok.vocab_size), dtype="float32")
     # Seeded by data.seed, not train.seed: RL runs with different seeds share one base model.
     model = create_model(mcfg, seed=cfg.data.seed)
